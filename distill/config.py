@@ -1,0 +1,95 @@
+"""Config sections owned by distill/: where prompts come from, how the teacher answers them, and the objective."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+OBJECTIVES = ("forward_kl", "reverse_kl", "jsd", "tv", "ce")
+
+
+@dataclass
+class DataConfig:
+    prompts: str = "builtin:train"
+    """Training prompts: builtin:train, a JSONL/JSON/CSV/parquet file, a datasets folder, an HF dataset id, or
+    self_instruct (the teacher writes its own prompts)."""
+    eval_prompts: str = "builtin:eval"
+    """Held-out prompts for validation during distillation (never trained on)."""
+    max_prompts: int = 0
+    """Use at most this many training prompts (0 = all)."""
+    max_eval_prompts: int = 32
+    """Use at most this many held-out prompts for validation (0 = all)."""
+    self_instruct_count: int = 200
+    """With prompts=self_instruct: how many unique prompts the teacher writes."""
+    num_samples: int = 1
+    """Teacher responses sampled per prompt."""
+    max_prompt_tokens: int = 384
+    """Prompts longer than this (after the chat template) are refused with the prompt id."""
+    max_new_tokens: int = 128
+    """Teacher response length limit in tokens."""
+    temperature: float = 0.7
+    """Teacher sampling temperature for data generation (0 = greedy)."""
+    top_k: int = 0
+    """Teacher top-k for data generation (0 = off)."""
+    top_p: float = 0.95
+    """Teacher top-p for data generation (1.0 = off)."""
+    batch_size: int = 16
+    """Prompts per teacher generation batch."""
+    shard_size: int = 64
+    """Prompts per written shard; a killed generation resumes at the first missing shard."""
+    teacher_cache: bool = False
+    """Also store the teacher's top-k log-probs per response token, so distillation runs without the teacher."""
+    teacher_cache_top_k: int = 32
+    """k of the offline teacher cache."""
+
+    def validate(self) -> None:
+        for name in ("max_prompts", "max_eval_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = all), got {getattr(self, name)}")
+        for name in ("num_samples", "max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size",
+                     "teacher_cache_top_k", "self_instruct_count"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class DistillConfig:
+    objective: dict[str, float] | str = field(default_factory=lambda: {"forward_kl": 1.0})
+    """Loss terms and weights, e.g. {forward_kl: 1.0} or {tv: 0.5, ce: 0.5}; terms: forward_kl, reverse_kl, jsd,
+    tv, ce. A bare name on the command line (distill.objective=tv) means weight 1."""
+    kd_temperature: float = 1.0
+    """Softens teacher and student logits inside the KD terms; unrelated to sampling temperature."""
+    beta: float = 0.5
+    """JSD interpolation weight (generalized JSD of Agarwal et al. 2024, GKD)."""
+    lmbda: float = 0.0
+    """Probability that a batch's responses are generated on-policy by the student and scored by the teacher
+    (GKD's lambda, Agarwal et al. 2024; DistillSpec, Zhou et al. 2024)."""
+    teacher: Literal["online", "cache"] = "online"
+    """online: the teacher scores every batch in memory; cache: read top-k log-probs written by `data`."""
+    chunk_size: int = 128
+    """Positions per chunk when computing the loss, so (B, T, V) fp32 probabilities are never held twice."""
+
+    def validate(self) -> None:
+        if isinstance(self.objective, str):  # a bare name from the command line means weight 1
+            self.objective = {self.objective: 1.0}
+        unknown = [k for k in self.objective if k not in OBJECTIVES]
+        if unknown:
+            raise ValueError(f"unknown objective {unknown[0]!r}; valid objectives: {', '.join(OBJECTIVES)}")
+        if not self.objective or any(w < 0 for w in self.objective.values()) or sum(self.objective.values()) <= 0:
+            raise ValueError(f"objective weights must be >= 0 with a positive sum, got {self.objective}")
+        if self.kd_temperature <= 0:
+            raise ValueError(f"kd_temperature must be > 0, got {self.kd_temperature}")
+        if not 0 <= self.beta <= 1:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if not 0 <= self.lmbda <= 1:
+            raise ValueError(f"lmbda must be in [0, 1] (a probability), got {self.lmbda}")
+        if self.lmbda > 0 and self.teacher == "cache":
+            raise ValueError("lmbda > 0 (on-policy data) needs the teacher online: set distill.teacher=online")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")

