@@ -110,8 +110,9 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = ast.parse(inspect.getsource(klass).lstrip()).body[0].body
         for stmt, nxt in zip(body, body[1:]):
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            is_field = isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            if is_field and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                if isinstance(nxt.value.value, str):
                     docs[stmt.target.id] = nxt.value.value.strip()
     return docs
 

@@ -1,0 +1,321 @@
+"""Distillation objectives: pure functions of student logits and teacher targets.
+
+Terms (names as in `distill.config.OBJECTIVES`), with p the teacher and q the student distribution per position:
+
+    forward_kl  KL(p || q)                         mode covering; the classic KD loss
+    reverse_kl  KL(q || p)                         mode seeking (MiniLLM, GKD)
+    jsd         generalized JSD with `beta`        Agarwal et al. 2024 (GKD), TRL's convention, see `generalized_jsd`
+    tv          0.5 sum_v |p_v - q_v|              1 - TV is the speculative acceptance rate (DistillSpec, Zhou et al.
+                                                   2024), so minimising TV maximises expected acceptance
+    ce          -log q(label)                      sequence-level KD (Kim & Rush 2016): NLL of teacher-written tokens
+
+`distill_loss` is the one entry point: a weighted mix of terms, fp32 log-softmax, an explicit (B, T) bool mask,
+sums normalised by a caller-given global token count, chunked over positions with activation checkpointing so the
+fp32 (B, T, V) probabilities exist one chunk at a time, in the forward pass and in the backward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from distill.config import OBJECTIVES
+
+KD_TERMS = ("forward_kl", "reverse_kl", "jsd", "tv")
+# Smallest mass of the top-k "rest" bucket: 1 - sum(probs) is only accurate to ~1e-7 in fp32, and a positive floor
+# keeps log(rest) and its gradient finite when the top-k covers (nearly) all of the mass.
+REST_FLOOR = 1e-12
+
+
+@dataclass
+class TeacherTargets:
+    """The teacher's view of each position: full logits (teacher online) or top-k log-probs (offline cache)."""
+
+    logits: Tensor | None = None
+    """(B, T, V) teacher logits, any float dtype; leave None when using the top-k cache."""
+    topk_logprobs: Tensor | None = None
+    """(B, T, K) teacher log-probs at temperature 1 of its K most likely tokens (the offline cache)."""
+    topk_indices: Tensor | None = None
+    """(B, T, K) integer token ids of `topk_logprobs`, distinct within a position."""
+
+    def __post_init__(self) -> None:
+        has_topk = self.topk_logprobs is not None or self.topk_indices is not None
+        if (self.logits is None) == (not has_topk):
+            raise ValueError("TeacherTargets takes either logits or (topk_logprobs, topk_indices), not both or none")
+        if has_topk and (self.topk_logprobs is None or self.topk_indices is None):
+            raise ValueError("TeacherTargets: topk_logprobs and topk_indices come together")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Divergences between two log-prob tensors over the last dim (full vocabulary or K+1 buckets); t = log p (teacher),
+# s = log q (student). Each returns one value per position, shape (...,).
+
+
+def forward_kl(t: Tensor, s: Tensor) -> Tensor:
+    """KL(p || q) = sum_v p_v (log p_v - log q_v)."""
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def reverse_kl(t: Tensor, s: Tensor) -> Tensor:
+    """KL(q || p) = sum_v q_v (log q_v - log p_v)."""
+    return (s.exp() * (s - t)).sum(-1)
+
+
+def generalized_jsd(t: Tensor, s: Tensor, beta: float) -> Tensor:
+    """Generalized JSD of GKD (Agarwal et al. 2024, eq. 1) in TRL's convention (`GKDTrainer.generalized_jsd_loss`):
+
+        m = beta p + (1 - beta) q,   JSD_beta = beta KL(p || m) + (1 - beta) KL(q || m)
+
+    with p the teacher and q the student. The formula vanishes at both ends, so like TRL the endpoints are defined
+    as the limits up to scale: beta = 0 returns forward KL(p || q) (JSD_beta / beta -> KL(p || q) as beta -> 0)
+    and beta = 1 returns reverse KL(q || p) (JSD_beta / (1 - beta) -> KL(q || p) as beta -> 1).
+    """
+    if beta == 0:
+        return forward_kl(t, s)
+    if beta == 1:
+        return reverse_kl(t, s)
+    m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))  # log m, no (2, ..., V) stack
+    return beta * forward_kl(t, m) + (1 - beta) * forward_kl(s, m)
+
+
+def total_variation(t: Tensor, s: Tensor) -> Tensor:
+    """TV(p, q) = 0.5 sum_v |p_v - q_v| = 1 - sum_v min(p_v, q_v), one minus the acceptance probability."""
+    return 0.5 * (t.exp() - s.exp()).abs().sum(-1)
+
+
+def bucket_logprobs(logprobs: Tensor) -> Tensor:
+    """(..., K) log-probs of K distinct tokens -> (..., K+1) log-probs, the last bucket holding the rest of the mass."""
+    rest = (1 - logprobs.exp().sum(-1, keepdim=True)).clamp(min=REST_FLOOR)  # (..., 1)
+    return torch.cat([logprobs, rest.log()], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loss
+
+
+def parse_objective(objective: dict[str, float] | str) -> dict[str, float]:
+    """A term name (weight 1) or {name: weight} -> {name: weight}; unknown names fail with the valid ones."""
+    weights = {objective: 1.0} if isinstance(objective, str) else dict(objective)
+    unknown = [name for name in weights if name not in OBJECTIVES]
+    if unknown:
+        raise ValueError(f"unknown objective {unknown[0]!r}; valid objectives: {', '.join(OBJECTIVES)}")
+    if not weights or any(not math.isfinite(w) or w < 0 for w in weights.values()):
+        raise ValueError(f"objective weights must be finite and >= 0, got {weights}")
+    return weights
+
+
+def _kd_logprobs(
+    s1: Tensor, teacher_logits: Tensor | None, topk_logprobs: Tensor | None, topk_indices: Tensor | None, kd_t: float
+) -> tuple[Tensor, Tensor]:
+    """Teacher and student log-probs at `kd_t` over the vocabulary (N, V) or over K+1 buckets (N, K+1)."""
+    if teacher_logits is not None:
+        t = F.log_softmax(teacher_logits if kd_t == 1 else teacher_logits.float() / kd_t, dim=-1, dtype=torch.float32)
+        return t, (s1 if kd_t == 1 else F.log_softmax(s1 / kd_t, dim=-1))
+    t = bucket_logprobs(topk_logprobs.float())  # (N, K+1)
+    s = bucket_logprobs(s1.gather(-1, topk_indices.long()))  # (N, K+1)
+    # Renormalising p^(1/T) over the buckets also absorbs the rest floor and bf16 rounding of the cache.
+    return F.log_softmax(t / kd_t, dim=-1), F.log_softmax(s / kd_t, dim=-1)
+
+
+def _term(name: str, t: Tensor | None, s: Tensor | None, s1: Tensor, labels: Tensor | None, beta: float) -> Tensor:
+    """One term per position (N,); t, s: KD log-probs at kd_temperature, s1: student log-probs at temperature 1."""
+    match name:
+        case "forward_kl":
+            return forward_kl(t, s)
+        case "reverse_kl":
+            return reverse_kl(t, s)
+        case "jsd":
+            return generalized_jsd(t, s, beta)
+        case "tv":
+            return total_variation(t, s)
+        case "ce":
+            return -s1.gather(-1, labels[:, None])[:, 0]
+    raise ValueError(f"unknown objective {name!r}; valid objectives: {', '.join(OBJECTIVES)}")
+
+
+def _chunk_sums(
+    student: Tensor,
+    teacher_logits: Tensor | None,
+    topk_logprobs: Tensor | None,
+    topk_indices: Tensor | None,
+    labels: Tensor | None,
+    mask: Tensor,
+    lm_head_weight: Tensor | None,
+    *,
+    names: tuple[str, ...],
+    kd_temperature: float,
+    beta: float,
+) -> Tensor:
+    """Sum over the chunk's valid positions of each term in `names`: (len(names),)."""
+    logits = student if lm_head_weight is None else student @ lm_head_weight.T  # (N, D) -> (N, V)
+    s1 = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (N, V) student log-probs at temperature 1
+    t = s = None
+    if any(name in KD_TERMS for name in names):
+        t, s = _kd_logprobs(s1, teacher_logits, topk_logprobs, topk_indices, kd_temperature)
+    if labels is not None:
+        labels = labels.masked_fill(~mask, 0).long()  # masked positions may hold -100
+    # where(), not multiplication: masked positions contribute an exact 0 and a zero gradient.
+    return torch.stack([torch.where(mask, _term(name, t, s, s1, labels, beta), 0.0).sum() for name in names])
+
+
+def _check_shapes(
+    B: int, T: int, V: int, teacher: TeacherTargets | None, labels: Tensor | None, mask: Tensor, names: tuple[str, ...]
+) -> None:
+    if mask.dtype != torch.bool or tuple(mask.shape) != (B, T):
+        raise ValueError(f"mask must be a (B, T) = {(B, T)} bool tensor, got {mask.dtype} {tuple(mask.shape)}")
+    if "ce" in names and (labels is None or tuple(labels.shape) != (B, T)):
+        raise ValueError(f"objective 'ce' needs labels of shape (B, T) = {(B, T)}")
+    if not any(name in KD_TERMS for name in names):
+        return
+    if teacher is None:
+        raise ValueError(f"objective terms {[n for n in names if n in KD_TERMS]} need teacher targets")
+    if teacher.logits is not None and tuple(teacher.logits.shape) != (B, T, V):
+        raise ValueError(f"teacher logits {tuple(teacher.logits.shape)} do not match the student's {(B, T, V)}")
+    if teacher.topk_logprobs is not None:
+        lp, idx = teacher.topk_logprobs, teacher.topk_indices
+        if lp.shape != idx.shape or tuple(lp.shape[:2]) != (B, T):
+            raise ValueError(
+                f"top-k logprobs {tuple(lp.shape)} and indices {tuple(idx.shape)} must be (B, T, K), (B, T) = {B, T}"
+            )
+        if idx.is_floating_point():
+            raise ValueError("top-k indices must be an integer tensor")
+
+
+def distill_loss(
+    student_logits: Tensor | None,
+    teacher: TeacherTargets | None,
+    labels: Tensor | None,
+    mask: Tensor,
+    objective: dict[str, float] | str,
+    *,
+    kd_temperature: float = 1.0,
+    beta: float = 0.5,
+    num_items: int | Tensor | None = None,
+    chunk_size: int = 128,
+    student_hidden: Tensor | None = None,
+    lm_head_weight: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Weighted mix of distillation terms over the valid positions of a batch.
+
+    Args:
+        student_logits: (B, T, V) student logits; position t predicts `labels[:, t]` (already shifted).
+            None when `student_hidden` and `lm_head_weight` are given instead.
+        teacher: teacher logits (B, T, V) or the top-k cache (B, T, K); may be None for a pure `ce` objective.
+        labels: (B, T) token ids, read only by `ce` and only where `mask` is True (-100 elsewhere is fine).
+        mask: (B, T) bool, True at the response tokens that count.
+        objective: a term name or {name: weight}; names in `distill.config.OBJECTIVES`. Weight-0 terms are still
+            computed and reported in the metrics.
+        kd_temperature: softens teacher and student inside the KD terms (not `ce`). With teacher logits the loss at
+            T equals the loss at 1 on logits / T; no T^2 factor (Hinton et al. 2015 use one to keep gradient
+            magnitudes; put it in the weight). With the top-k cache, both sides are first bucketed at temperature 1
+            into the K teacher tokens plus one "rest" bucket (mass 1 - sum of the K probs), then each bucketed
+            distribution is raised to 1/T and renormalised over the K+1 buckets. This is exact for T = 1 (and for
+            K = V) and treats the tail as one token otherwise, as no cache can know the tail's shape.
+        beta: the generalized JSD weight (see `generalized_jsd`), used only by `jsd`.
+        num_items: the count to normalise sums by; under gradient accumulation and multi-process training pass the
+            global count of valid tokens of the optimizer step. Default: mask.sum(). Clamped to >= 1, so an empty
+            mask gives a zero loss with a (zero) gradient path instead of NaN.
+        chunk_size: positions (rows of the flattened B*T) per chunk. Each chunk is checkpointed when gradients are
+            on, so its fp32 (chunk_size, V) tensors are rebuilt in backward instead of kept for every chunk.
+        student_hidden, lm_head_weight: (B, T, D) final hidden states and (V, D) head weight (no bias); the logits
+            are then computed chunk by chunk and the full (B, T, V) student logits never exist.
+
+    Returns:
+        (loss, metrics): the weighted scalar loss and {term name: its detached normalised value}.
+    """
+    weights = parse_objective(objective)
+    names = tuple(weights)
+    if kd_temperature <= 0:
+        raise ValueError(f"kd_temperature must be > 0, got {kd_temperature}")
+    if not 0 <= beta <= 1:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if (student_logits is None) == (student_hidden is None) or (student_hidden is None) != (lm_head_weight is None):
+        raise ValueError("pass either student_logits, or student_hidden together with lm_head_weight")
+    student = student_logits if student_logits is not None else student_hidden
+    if student.dim() != 3:
+        raise ValueError(f"student logits / hidden states must be (B, T, V) / (B, T, D), got {tuple(student.shape)}")
+    B, T = student.shape[:2]
+    V = student_logits.shape[-1] if student_logits is not None else lm_head_weight.shape[0]
+    _check_shapes(B, T, V, teacher, labels, mask, names)
+    N = B * T
+
+    def rows(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x.reshape(N, *x.shape[2:])  # (B, T, ...) -> (N, ...)
+
+    teacher = teacher if any(name in KD_TERMS for name in names) else None
+    tensors = [
+        rows(student),
+        rows(teacher.logits) if teacher else None,
+        rows(teacher.topk_logprobs) if teacher else None,
+        rows(teacher.topk_indices) if teacher else None,
+        rows(labels) if "ce" in names else None,
+        rows(mask),
+    ]
+    fn = functools.partial(_chunk_sums, names=names, kd_temperature=kd_temperature, beta=beta)
+    recompute = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (student, lm_head_weight))
+    sums = []
+    for start in range(0, max(N, 1), chunk_size):
+        chunk = [None if x is None else x[start : start + chunk_size] for x in tensors]
+        chunk.append(lm_head_weight)
+        sums.append(checkpoint(fn, *chunk, use_reentrant=False) if recompute else fn(*chunk))
+    total = torch.stack(sums).sum(0)  # (len(names),)
+
+    count = mask.sum() if num_items is None else torch.as_tensor(num_items, device=mask.device)
+    per_term = total / count.to(total.dtype).clamp(min=1)
+    loss = (per_term * torch.tensor(list(weights.values()), device=per_term.device)).sum()
+    return loss, {name: per_term[i].detach() for i, name in enumerate(names)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation metrics (temperature 1, no gradients)
+
+
+@torch.no_grad()
+def expected_acceptance_from_logits(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor,
+    *,
+    draft_rule: Literal["sample", "greedy"] = "sample",
+    num_items: int | Tensor | None = None,
+    chunk_size: int = 128,
+) -> Tensor:
+    """Expected acceptance of the student as a draft, averaged over valid positions (a 0-dim fp32 tensor).
+
+    `sample`: sum_v min(p_v, q_v) = 1 - TV(p, q), the probability that speculative sampling accepts a token drawn
+    from q (Leviathan et al. 2023). `greedy`: p(argmax q), the acceptance of a draft that proposes its argmax.
+    The sum is divided by `num_items` (default mask.sum(), clamped to >= 1), so the per-batch values of a
+    validation set add up to its mean when the global count is passed.
+    """
+    B, T, V = student_logits.shape
+    student, teacher, valid = student_logits.reshape(-1, V), teacher_logits.reshape(-1, V), mask.reshape(-1)
+    total = torch.zeros((), device=student.device)
+    for start in range(0, B * T, chunk_size):
+        p = F.softmax(teacher[start : start + chunk_size], dim=-1, dtype=torch.float32)  # (N, V)
+        s = student[start : start + chunk_size]
+        if draft_rule == "greedy":
+            accept = p.gather(-1, s.argmax(-1, keepdim=True))[:, 0]
+        else:
+            accept = torch.minimum(p, F.softmax(s, dim=-1, dtype=torch.float32)).sum(-1)
+        total += torch.where(valid[start : start + chunk_size], accept, 0.0).sum()
+    count = mask.sum() if num_items is None else torch.as_tensor(num_items, device=mask.device)
+    return total / count.float().clamp(min=1)
+
+
+@torch.no_grad()
+def greedy_match(
+    student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, *, num_items: int | Tensor | None = None
+) -> Tensor:
+    """Fraction of valid positions where the student's argmax equals the teacher's (greedy top-1 agreement)."""
+    match = (student_logits.argmax(-1) == teacher_logits.argmax(-1)) & mask  # (B, T)
+    count = mask.sum() if num_items is None else torch.as_tensor(num_items, device=mask.device)
+    return match.sum().float() / count.float().clamp(min=1)

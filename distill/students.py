@@ -1,0 +1,362 @@
+"""Student (draft) construction from an already-loaded teacher (a Llama-family HF causal LM).
+
+    student = build_student(teacher, DraftConfig(init="truncate", num_layers=4))
+    student = build_student(teacher, DraftConfig(init="pretrained", pretrained="HuggingFaceTB/SmolLM2-135M",
+                                                 lora=True), load_model=load_model, teacher_tokenizer=tokenizer)
+    print(describe_student(student, teacher))
+    export_me = merge_student(student)  # LoRA merged into plain weights; other students come back as they are
+
+Every student is a new model that shares no tensor with the teacher, on the teacher's device and in its dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# Config attributes holding one entry per decoder layer; truncation keeps the kept layers' entries.
+PER_LAYER_CONFIG_LISTS = ("layer_types", "mlp_layer_types", "no_rope_layers")
+LLAMA_LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class DraftConfig:
+    init: Literal["truncate", "config", "pretrained"] = "truncate"
+    """How the draft starts: truncate the target's layers, a smaller random config, or a pretrained small model."""
+    layers: list[int] | None = None
+    """truncate: the target layer indices to keep (strictly increasing); None = `num_layers` evenly spaced."""
+    num_layers: int = 4
+    """truncate: how many evenly spaced target layers to keep (first and last included); config: layer count."""
+    hidden_size: int | None = None
+    """config: hidden size (0 or None = the target's)."""
+    num_attention_heads: int | None = None
+    """config: attention heads (0 or None = the target's)."""
+    num_key_value_heads: int | None = None
+    """config: key/value heads for grouped-query attention (0 or None = the target's)."""
+    intermediate_size: int | None = None
+    """config: MLP intermediate size (0 or None = the target's)."""
+    pretrained: str | None = None
+    """pretrained: the draft model spec (HF id, local folder, .gguf, embedded:...); must share the target's vocab."""
+    lora: bool = False
+    """Train LoRA adapters only (peft) on a truncate or pretrained draft; merged into the weights on export."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch input during training."""
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_MODULES))
+    """Names of the linear modules that get adapters (Llama-family names by default)."""
+
+    def validate(self) -> None:
+        if self.init not in ("truncate", "config", "pretrained"):
+            raise ValueError(f"init must be one of truncate, config, pretrained; got {self.init!r}")
+        if self.layers is not None:
+            if self.init != "truncate":
+                raise ValueError(f"layers is only used by init=truncate, got init={self.init}")
+            if not self.layers or self.layers[0] < 0 or any(a >= b for a, b in zip(self.layers, self.layers[1:])):
+                raise ValueError(f"layers must be non-empty, >= 0 and strictly increasing, got {self.layers}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        shape = {
+            k: getattr(self, k)
+            for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+        }
+        for name, value in shape.items():
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 (0 or None = the target's), got {value}")
+        if any(shape.values()) and self.init != "config":
+            raise ValueError(f"{', '.join(k for k, v in shape.items() if v)} only apply to init=config")
+        if (self.init == "pretrained") != bool(self.pretrained):
+            raise ValueError("init=pretrained needs pretrained=<model spec>, and pretrained is only used by it")
+        if self.lora and self.init == "config":
+            raise ValueError("lora needs trained base weights: use init=truncate or init=pretrained")
+        if self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise ValueError(
+                f"need lora_r >= 1, lora_alpha > 0, 0 <= lora_dropout < 1; got r={self.lora_r}, "
+                f"alpha={self.lora_alpha}, dropout={self.lora_dropout}"
+            )
+        if not self.lora_target_modules:
+            raise ValueError("lora_target_modules must name at least one module")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# truncate
+
+
+def evenly_spaced_layers(num_teacher_layers: int, num_layers: int) -> list[int]:
+    """`num_layers` indices spread over the teacher's layers, first and last included ([0] when num_layers is 1)."""
+    if not 1 <= num_layers <= num_teacher_layers:
+        raise ValueError(f"num_layers must be in [1, {num_teacher_layers}] (the teacher's layers), got {num_layers}")
+    if num_layers == 1:
+        return [0]
+    step = (num_teacher_layers - 1) / (num_layers - 1)  # >= 1, so rounding never repeats an index
+    return [math.floor(i * step + 0.5) for i in range(num_layers)]
+
+
+def truncate_student(teacher: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
+    """A copy of the teacher keeping only decoder `layers` (plus embeddings, final norm and head)."""
+    stack = teacher.base_model.layers
+    if not layers or any(not 0 <= i < len(stack) for i in layers) or sorted(set(layers)) != list(layers):
+        raise ValueError(f"layers must be strictly increasing indices in [0, {len(stack) - 1}], got {layers}")
+    # Share one memo so the kept layers and the rest of the copy point to the same copied config; the full stack
+    # is never copied.
+    memo = {id(stack): nn.ModuleList()}
+    student = copy.deepcopy(teacher, memo)
+    student.base_model.layers = nn.ModuleList(copy.deepcopy(stack[i], memo) for i in layers)
+    config = student.config
+    for name in PER_LAYER_CONFIG_LISTS:
+        values = getattr(config, name, None)
+        if isinstance(values, list) and len(values) == len(stack):
+            setattr(config, name, [values[i] for i in layers])
+    config.num_hidden_layers = len(layers)
+    # Attention modules index the KV cache by their layer_idx, which must follow the new numbering.
+    for new_idx, layer in enumerate(student.base_model.layers):
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = new_idx
+    return student
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config
+
+
+def config_student(
+    teacher: PreTrainedModel,
+    num_layers: int,
+    hidden_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    intermediate_size: int | None = None,
+) -> PreTrainedModel:
+    """A randomly initialised smaller model of the teacher's architecture; unset (None or 0) sizes inherit.
+
+    The input embeddings, the final norm and an untied head are copied from the teacher when the hidden size
+    matches, so the student starts in the teacher's token space.
+    """
+    base = teacher.config
+    hidden = hidden_size or base.hidden_size
+    heads = num_attention_heads or base.num_attention_heads
+    kv_heads = num_key_value_heads or base.num_key_value_heads
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(
+            f"need hidden_size % num_attention_heads == 0 and num_attention_heads % num_key_value_heads"
+            f" == 0, got {hidden}, {heads}, {kv_heads}"
+        )
+    overrides = {
+        "num_hidden_layers": num_layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": intermediate_size or base.intermediate_size,
+    }
+    if getattr(base, "head_dim", None) and (hidden, heads) != (base.hidden_size, base.num_attention_heads):
+        overrides["head_dim"] = hidden // heads  # an inherited head_dim would no longer fit
+    spread = evenly_spaced_layers(base.num_hidden_layers, num_layers) if num_layers <= base.num_hidden_layers else []
+    for name in PER_LAYER_CONFIG_LISTS:
+        values = getattr(base, name, None)
+        if isinstance(values, list) and len(values) == base.num_hidden_layers:
+            # keep the teacher's pattern when shrinking; let the config rebuild its default when growing
+            overrides[name] = [values[i] for i in spread] if spread else None
+    config = type(base).from_dict({**base.to_dict(), **overrides})
+    student = type(teacher)(config).to(device=teacher.device, dtype=teacher.dtype)
+    _copy_if_same_shape(teacher.get_input_embeddings().weight, student.get_input_embeddings().weight)
+    _copy_if_same_shape(teacher.base_model.norm.weight, student.base_model.norm.weight)
+    head = student.get_output_embeddings().weight
+    if head is not student.get_input_embeddings().weight:  # an untied head has its own weights to copy
+        _copy_if_same_shape(teacher.get_output_embeddings().weight, head)
+    return student
+
+
+@torch.no_grad()
+def _copy_if_same_shape(source: torch.Tensor, dest: torch.Tensor) -> None:
+    if source.shape == dest.shape:
+        dest.copy_(source)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pretrained
+
+
+def check_same_vocab(teacher_tokenizer: PreTrainedTokenizerBase, student_tokenizer: PreTrainedTokenizerBase) -> None:
+    """Raise ValueError naming the first token ids whose tokens differ between the two vocabularies."""
+    teacher_vocab, student_vocab = teacher_tokenizer.get_vocab(), student_tokenizer.get_vocab()
+    if teacher_vocab == student_vocab:
+        return
+    teacher_by_id = {i: tok for tok, i in teacher_vocab.items()}
+    student_by_id = {i: tok for tok, i in student_vocab.items()}
+    ids = sorted(set(teacher_by_id) | set(student_by_id))
+    differ = [i for i in ids if teacher_by_id.get(i) != student_by_id.get(i)]
+    first = "; ".join(f"id {i}: teacher {teacher_by_id.get(i)!r}, student {student_by_id.get(i)!r}" for i in differ[:5])
+    raise ValueError(
+        f"the student's vocabulary differs from the teacher's ({len(student_vocab)} vs {len(teacher_vocab)} tokens, "
+        f"{len(differ)} ids differ); first differing tokens: {first}"
+    )
+
+
+def pretrained_student(
+    teacher: PreTrainedModel,
+    spec: str,
+    load_model: Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]],
+    *,
+    check_vocab: Callable[[PreTrainedTokenizerBase], None] | None = None,
+    teacher_tokenizer: PreTrainedTokenizerBase | None = None,
+) -> PreTrainedModel:
+    """Load `spec` with `load_model` and refuse it unless its vocabulary is the teacher's.
+
+    `check_vocab(student_tokenizer)` raises on a mismatch (e.g. the runtime's checker bound to the teacher's
+    tokenizer); without it the vocabularies are compared with `check_same_vocab(teacher_tokenizer, ...)`. When only
+    the padded embedding sizes differ (e.g. Qwen2.5 0.5B vs 7B), the student's embeddings are resized to the
+    teacher's so the logits line up; the extra rows are never-used ids.
+    """
+    if check_vocab is None and teacher_tokenizer is None:
+        raise ValueError("a pretrained student needs check_vocab or teacher_tokenizer to check its vocabulary")
+    student, tokenizer = load_model(spec)
+    if check_vocab is not None:
+        check_vocab(tokenizer)
+    else:
+        check_same_vocab(teacher_tokenizer, tokenizer)
+    teacher_rows, student_rows = teacher.config.vocab_size, student.config.vocab_size
+    if teacher_rows != student_rows:
+        if min(teacher_rows, student_rows) < len(tokenizer):
+            raise ValueError(
+                f"embedding rows differ (teacher {teacher_rows}, student {student_rows}) and do not "
+                f"cover the {len(tokenizer)} tokens of the tokenizer"
+            )
+        student.resize_token_embeddings(teacher_rows, mean_resizing=False)
+    return student.to(device=teacher.device, dtype=teacher.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LoRA
+
+
+def add_lora(student: PreTrainedModel, r: int, alpha: float, dropout: float, target_modules: list[str]) -> PeftModel:
+    """Wrap `student` with peft LoRA adapters; only the adapters train."""
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules), task_type="CAUSAL_LM"
+    )
+    with warnings.catch_warnings():  # peft probes a property transformers 5 deprecated; nothing for users to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        model = get_peft_model(student, config)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if not trainable or any("lora_" not in name for name in trainable):
+        raise RuntimeError(f"LoRA must train only adapter weights, trainable: {trainable[:5]}")
+    return model
+
+
+def merge_student(model: PreTrainedModel | PeftModel) -> PreTrainedModel:
+    """A plain model with the LoRA adapters merged into its weights (a copy; `model` keeps training).
+    A model without adapters is returned as it is."""
+    if not isinstance(model, PeftModel):
+        return model
+    return copy.deepcopy(model).merge_and_unload()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# describe
+
+
+def flops_per_token(model: nn.Module) -> int:
+    """2 x the weights one token multiplies through: every parameter except the input embedding table (a lookup),
+    with a tied head counted as the head's matmul. Ignores the context-length term of attention (4 x layers x T x
+    hidden per token) and norms' elementwise work; LoRA adapters count (they run unmerged while training)."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    matmul = sum(p.numel() for p in model.parameters() if p is not embedding)
+    if head is embedding:
+        matmul += head.numel()
+    return 2 * matmul
+
+
+def student_stats(student: nn.Module, teacher: nn.Module) -> dict[str, float]:
+    """Parameter counts and per-token FLOPs of the student, and its FLOP ratio to the teacher."""
+    flops, teacher_flops = flops_per_token(student), flops_per_token(teacher)
+    return {
+        "params": sum(p.numel() for p in student.parameters()),
+        "trainable_params": sum(p.numel() for p in student.parameters() if p.requires_grad),
+        "teacher_params": sum(p.numel() for p in teacher.parameters()),
+        "flops_per_token": flops,
+        "teacher_flops_per_token": teacher_flops,
+        "flop_ratio": flops / teacher_flops,
+    }
+
+
+def describe_student(student: nn.Module, teacher: nn.Module) -> str:
+    """One line: sizes, parameter counts and the FLOP ratio to the teacher (formula in `flops_per_token`)."""
+    s = student_stats(student, teacher)
+    cfg, tcfg = student.config, teacher.config
+    return (
+        f"student: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {s['params'] / 1e6:.2f}M params "
+        f"({s['trainable_params'] / 1e6:.2f}M trainable), {s['flops_per_token'] / 1e6:.1f} MFLOP/token | teacher: "
+        f"{tcfg.num_hidden_layers} layers, {s['teacher_params'] / 1e6:.2f}M params, "
+        f"{s['teacher_flops_per_token'] / 1e6:.1f} MFLOP/token | flop_ratio {s['flop_ratio']:.3f}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# entry point
+
+
+def build_student(
+    teacher: PreTrainedModel,
+    cfg: DraftConfig,
+    *,
+    load_model: Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]] | None = None,
+    check_vocab: Callable[[PreTrainedTokenizerBase], None] | None = None,
+    teacher_tokenizer: PreTrainedTokenizerBase | None = None,
+) -> PreTrainedModel | PeftModel:
+    """The student described by `cfg`, built from the loaded `teacher` (left untouched).
+
+    `load_model(spec) -> (model, tokenizer)` loads a pretrained student (e.g. `specdec_runtime.loading.load_model`
+    with its options bound); its vocabulary is checked by `check_vocab(student_tokenizer)` or against
+    `teacher_tokenizer`, see `pretrained_student`. With `cfg.lora` the result is a peft model: use
+    `merge_student` to export it.
+    """
+    cfg.validate()
+    match cfg.init:
+        case "truncate":
+            layers = cfg.layers or evenly_spaced_layers(teacher.config.num_hidden_layers, cfg.num_layers)
+            student = truncate_student(teacher, layers)
+        case "config":
+            student = config_student(
+                teacher,
+                cfg.num_layers,
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.intermediate_size,
+            )
+        case "pretrained":
+            if load_model is None:
+                raise ValueError("init=pretrained needs a load_model callable")
+            student = pretrained_student(
+                teacher, cfg.pretrained, load_model, check_vocab=check_vocab, teacher_tokenizer=teacher_tokenizer
+            )
+    _check_no_shared_tensors(student, teacher)
+    if cfg.lora:
+        student = add_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    return student
+
+
+def _check_no_shared_tensors(student: nn.Module, teacher: nn.Module) -> None:
+    """Training the student must never move the teacher: refuse any shared storage (e.g. a loader's cache)."""
+
+    def storages(m: nn.Module) -> set[int]:
+        return {
+            t.untyped_storage().data_ptr()
+            for t in [*m.parameters(), *m.buffers()]
+            if t.numel() and t.device.type != "meta"
+        }
+
+    if storages(student) & storages(teacher):
+        raise RuntimeError("the student shares tensors with the teacher; load or copy it separately")

@@ -1,0 +1,280 @@
+"""Property tests of the distillation objectives (distill/objectives.py): tiny random logits, CPU, fp32."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distill.config import OBJECTIVES
+from distill.objectives import (
+    KD_TERMS,
+    TeacherTargets,
+    distill_loss,
+    expected_acceptance_from_logits,
+    forward_kl,
+    generalized_jsd,
+    greedy_match,
+    reverse_kl,
+)
+
+B, T, V = 3, 7, 11
+
+
+def _batch(seed: int = 0, scale: float = 2.0):
+    g = torch.Generator().manual_seed(seed)
+    student = (scale * torch.randn(B, T, V, generator=g)).requires_grad_()
+    teacher = scale * torch.randn(B, T, V, generator=g)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    mask[0, 0] = True  # never empty by chance
+    return student, teacher, labels, mask
+
+
+def _topk(teacher_logits: torch.Tensor, k: int) -> TeacherTargets:
+    logprobs, indices = F.log_softmax(teacher_logits, dim=-1).topk(k, dim=-1)
+    return TeacherTargets(topk_logprobs=logprobs, topk_indices=indices)
+
+
+def _loss(student, teacher, labels, mask, objective, **kw):
+    return distill_loss(student, teacher, labels, mask, objective, **kw)[0]
+
+
+@pytest.mark.parametrize("name", KD_TERMS)
+@pytest.mark.parametrize("kd_temperature", [1.0, 2.5])
+def test_zero_for_equal_distributions(name, kd_temperature):
+    student, _, labels, mask = _batch()
+    same = student.detach().clone()
+    for teacher in (TeacherTargets(logits=same), _topk(same, 4)):
+        loss = _loss(student, teacher, labels, mask, name, kd_temperature=kd_temperature)
+        assert abs(loss.item()) < 1e-6, (name, teacher.logits is None, loss.item())
+    different = _loss(student, TeacherTargets(logits=same.flip(-1)), labels, mask, name)
+    assert different.item() > 1e-3  # the zero above is not a constant
+
+
+def test_forward_and_reverse_kl_match_torch_kl_div():
+    student, teacher, labels, mask = _batch()
+    s, t = F.log_softmax(student.detach(), -1)[mask], F.log_softmax(teacher, -1)[mask]  # (N, V)
+    fwd = F.kl_div(s, t, reduction="sum", log_target=True) / mask.sum()  # kl_div(input, target) = KL(target || input)
+    rev = F.kl_div(t, s, reduction="sum", log_target=True) / mask.sum()
+    teacher_targets = TeacherTargets(logits=teacher)
+    torch.testing.assert_close(_loss(student, teacher_targets, labels, mask, "forward_kl"), fwd)
+    torch.testing.assert_close(_loss(student, teacher_targets, labels, mask, "reverse_kl"), rev)
+
+
+def test_jsd_endpoints_are_the_two_kls_in_trl_convention():
+    student, teacher, _, _ = _batch()
+    t, s = F.log_softmax(teacher.double(), -1), F.log_softmax(student.detach().double(), -1)
+    torch.testing.assert_close(generalized_jsd(t, s, 0.0), forward_kl(t, s))
+    torch.testing.assert_close(generalized_jsd(t, s, 1.0), reverse_kl(t, s))
+    # The endpoints are the limits up to scale: JSD_beta / beta -> KL(p || q), JSD_beta / (1 - beta) -> KL(q || p).
+    eps = 1e-5
+    torch.testing.assert_close(generalized_jsd(t, s, eps) / eps, forward_kl(t, s), rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(generalized_jsd(t, s, 1 - eps) / eps, reverse_kl(t, s), rtol=1e-3, atol=1e-6)
+
+
+def test_jsd_matches_the_mixture_definition():
+    student, teacher, labels, mask = _batch()
+    beta = 0.3
+    p, q = F.softmax(teacher.double(), -1), F.softmax(student.detach().double(), -1)
+    m = beta * p + (1 - beta) * q  # the mixture leans to the teacher as beta grows (TRL's convention)
+    jsd = beta * (p * (p / m).log()).sum(-1) + (1 - beta) * (q * (q / m).log()).sum(-1)  # (B, T)
+    expected = jsd[mask].sum() / mask.sum()
+    loss = _loss(student, TeacherTargets(logits=teacher), labels, mask, "jsd", beta=beta)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_tv_is_one_minus_sum_min():
+    student, teacher, labels, mask = _batch()
+    tv = _loss(student, TeacherTargets(logits=teacher), labels, mask, "tv")
+    acceptance = expected_acceptance_from_logits(student, teacher, mask, chunk_size=5)
+    p, q = F.softmax(teacher, -1), F.softmax(student.detach(), -1)
+    expected = torch.minimum(p, q).sum(-1)[mask].mean()
+    torch.testing.assert_close(acceptance, expected)
+    torch.testing.assert_close(tv, 1 - acceptance)
+
+
+def test_ce_is_nll_of_labels():
+    student, _, labels, mask = _batch()
+    expected = F.cross_entropy(student.detach().reshape(-1, V), labels.masked_fill(~mask, -100).reshape(-1))
+    torch.testing.assert_close(_loss(student, None, labels.masked_fill(~mask, -100), mask, "ce"), expected)
+
+
+def test_mix_is_weighted_sum_and_metrics_are_per_term():
+    student, teacher, labels, mask = _batch()
+    teacher_targets = TeacherTargets(logits=teacher)
+    weights = {"forward_kl": 0.5, "tv": 2.0, "ce": 0.25, "jsd": 0.0}
+    loss, metrics = distill_loss(student, teacher_targets, labels, mask, weights, beta=0.2)
+    assert set(metrics) == set(weights)
+    expected = sum(w * _loss(student, teacher_targets, labels, mask, n, beta=0.2) for n, w in weights.items())
+    torch.testing.assert_close(loss, expected)
+    for name in weights:
+        torch.testing.assert_close(metrics[name], _loss(student, teacher_targets, labels, mask, name, beta=0.2))
+    assert metrics["jsd"].item() > 0  # weight 0 still reports the value
+
+
+@pytest.mark.parametrize("teacher_kind", ["full", "topk"])
+def test_chunked_equals_unchunked_with_gradients(teacher_kind):
+    student, teacher, labels, mask = _batch()
+    teacher_targets = TeacherTargets(logits=teacher) if teacher_kind == "full" else _topk(teacher, 3)
+    objective = {"forward_kl": 1.0, "reverse_kl": 0.5, "jsd": 0.5, "tv": 1.0, "ce": 0.3}
+    results = []
+    for chunk_size in (1, 4, 1000):
+        loss = _loss(student, teacher_targets, labels, mask, objective, chunk_size=chunk_size, kd_temperature=1.5)
+        (grad,) = torch.autograd.grad(loss, student)
+        results.append((loss.detach(), grad))
+    for loss, grad in results[:-1]:
+        torch.testing.assert_close(loss, results[-1][0])
+        torch.testing.assert_close(grad, results[-1][1])
+
+
+def test_hidden_states_path_equals_logits_path():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(B, T, 5, generator=g, requires_grad=True)
+    weight = torch.randn(V, 5, generator=g, requires_grad=True)
+    _, teacher, labels, mask = _batch()
+    objective = {"reverse_kl": 1.0, "ce": 1.0}
+    ref = _loss(hidden @ weight.T, TeacherTargets(logits=teacher), labels, mask, objective)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    loss, _ = distill_loss(
+        None, TeacherTargets(logits=teacher), labels, mask, objective, student_hidden=hidden, lm_head_weight=weight,
+        chunk_size=4,
+    )  # fmt: skip
+    torch.testing.assert_close(loss, ref)
+    for grad, expected in zip(torch.autograd.grad(loss, (hidden, weight)), ref_grads):
+        torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.parametrize("name", KD_TERMS)
+def test_topk_with_all_tokens_equals_full(name):
+    student, teacher, labels, mask = _batch()
+    full = _loss(student, TeacherTargets(logits=teacher), labels, mask, name)
+    topk = _loss(student, _topk(teacher, V), labels, mask, name)
+    torch.testing.assert_close(topk, full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", KD_TERMS)
+def test_topk_is_a_lower_bound_that_grows_with_k(name):
+    # Merging the tail into one bucket can only lose information (data processing inequality for f-divergences),
+    # and the top-(k+1) buckets refine the top-k ones, so the bucketed loss grows with k up to the full loss.
+    student, teacher, labels, mask = _batch(seed=3)
+    full = _loss(student, TeacherTargets(logits=teacher), labels, mask, name).item()
+    values = [_loss(student, _topk(teacher, k), labels, mask, name).item() for k in range(1, V + 1)]
+    assert all(a <= b + 1e-5 for a, b in zip(values, values[1:])), values
+    assert values[0] < full - 1e-3 and abs(values[-1] - full) < 1e-4
+
+
+def test_kd_temperature_full_equals_loss_on_scaled_logits():
+    student, teacher, labels, mask = _batch()
+    for name in KD_TERMS:
+        at_t = _loss(student, TeacherTargets(logits=teacher), labels, mask, name, kd_temperature=3.0)
+        scaled = _loss(student / 3.0, TeacherTargets(logits=teacher / 3.0), labels, mask, name)
+        torch.testing.assert_close(at_t, scaled)
+        assert at_t.item() < _loss(student, TeacherTargets(logits=teacher), labels, mask, name).item()  # softer
+    # ce ignores kd_temperature
+    ce = [_loss(student, None, labels, mask, "ce", kd_temperature=kd) for kd in (1.0, 3.0)]
+    torch.testing.assert_close(ce[0], ce[1])
+
+
+def test_kd_temperature_topk_renormalises_buckets():
+    student, teacher, labels, mask = _batch()
+    k, kd = 3, 2.0
+    targets = _topk(teacher, k)
+    q_k = F.softmax(student.detach(), -1).gather(-1, targets.topk_indices)  # (B, T, K)
+    p_k = targets.topk_logprobs.exp()
+    p = torch.cat([p_k, 1 - p_k.sum(-1, keepdim=True)], -1) ** (1 / kd)  # (B, T, K+1)
+    q = torch.cat([q_k, 1 - q_k.sum(-1, keepdim=True)], -1) ** (1 / kd)
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    expected = (p * (p / q).log()).sum(-1)[mask].mean()
+    torch.testing.assert_close(_loss(student, targets, labels, mask, "forward_kl", kd_temperature=kd), expected)
+
+
+@pytest.mark.parametrize("teacher_kind", ["full", "topk"])
+def test_gradients_finite_with_masked_rows_and_empty_mask(teacher_kind):
+    student, teacher, labels, mask = _batch()
+    teacher_targets = TeacherTargets(logits=teacher) if teacher_kind == "full" else _topk(teacher, 4)
+    objective = {name: 1.0 for name in OBJECTIVES}
+    mask[1] = False  # a fully masked row
+    labels = labels.masked_fill(~mask, -100)
+    loss = _loss(student, teacher_targets, labels, mask, objective)
+    (grad,) = torch.autograd.grad(loss, student)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert grad[1].abs().sum() == 0 and grad[0].abs().sum() > 0
+
+    empty = torch.zeros_like(mask)
+    loss = _loss(student, teacher_targets, labels.fill_(-100), empty, objective)
+    (grad,) = torch.autograd.grad(loss, student)  # a grad path exists
+    assert loss.item() == 0 and torch.isfinite(grad).all() and grad.abs().sum() == 0
+
+
+def test_topk_with_all_mass_in_topk_has_finite_gradients():
+    # Peaked distributions put all the mass in the top-k: the rest buckets are at the floor on both sides.
+    student, teacher, labels, mask = _batch(scale=60.0)
+    loss = _loss(student, _topk(teacher, 4), labels, mask, {name: 1.0 for name in KD_TERMS})
+    (grad,) = torch.autograd.grad(loss, student)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+
+
+def test_global_normalisation_halves_sum_to_full_batch():
+    student, teacher, labels, mask = _batch()
+    objective = {"forward_kl": 1.0, "tv": 0.5, "ce": 1.0}
+    full = _loss(student, TeacherTargets(logits=teacher), labels, mask, objective)
+    (full_grad,) = torch.autograd.grad(full, student)
+    total = mask.sum()
+    halves = [
+        _loss(student[rows], TeacherTargets(logits=teacher[rows]), labels[rows], mask[rows], objective, num_items=total)
+        for rows in (slice(0, 1), slice(1, B))
+    ]
+    torch.testing.assert_close(halves[0] + halves[1], full)
+    (grad,) = torch.autograd.grad(halves[0] + halves[1], student)
+    torch.testing.assert_close(grad, full_grad)
+    # without the global count each half is its own mean, which does not add up
+    halves_rows = (slice(0, 1), slice(1, B))
+    local = [_loss(student[r], TeacherTargets(logits=teacher[r]), labels[r], mask[r], objective) for r in halves_rows]
+    assert not torch.allclose(local[0] + local[1], full)
+
+
+def test_unknown_objective_lists_valid_names():
+    student, teacher, labels, mask = _batch()
+    with pytest.raises(ValueError, match="unknown objective 'kl'") as err:
+        _loss(student, TeacherTargets(logits=teacher), labels, mask, {"kl": 1.0})
+    for name in OBJECTIVES:
+        assert name in str(err.value)
+    with pytest.raises(ValueError, match="valid objectives"):
+        _loss(student, TeacherTargets(logits=teacher), labels, mask, "fkl")
+
+
+def test_bad_inputs_fail_clearly():
+    student, teacher, labels, mask = _batch()
+    with pytest.raises(ValueError, match="need teacher targets"):
+        _loss(student, None, labels, mask, "tv")
+    with pytest.raises(ValueError, match="bool"):
+        _loss(student, TeacherTargets(logits=teacher), labels, mask.float(), "tv")
+    with pytest.raises(ValueError, match="do not match"):
+        _loss(student, TeacherTargets(logits=teacher[..., :-1]), labels, mask, "tv")
+    with pytest.raises(ValueError, match="either logits"):
+        TeacherTargets(logits=teacher, topk_logprobs=teacher[..., :2], topk_indices=labels[..., None])
+    with pytest.raises(ValueError, match="kd_temperature"):
+        _loss(student, TeacherTargets(logits=teacher), labels, mask, "tv", kd_temperature=0.0)
+
+
+def test_greedy_match_and_greedy_acceptance_hand_written():
+    # two positions: the student's argmax agrees with the teacher's at the first only
+    teacher = torch.tensor([[[0.0, 2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 9.0]]])  # (1, 3, 3)
+    student = torch.tensor([[[0.0, 5.0, 1.0], [0.0, 0.0, 4.0], [9.0, 0.0, 0.0]]])
+    mask = torch.tensor([[True, True, False]])
+    assert greedy_match(student, teacher, mask).item() == pytest.approx(0.5)
+    p = F.softmax(teacher, -1)
+    expected = (p[0, 0, 1] + p[0, 1, 2]) / 2  # p(argmax q) at the valid positions
+    greedy = expected_acceptance_from_logits(student, teacher, mask, draft_rule="greedy")
+    assert greedy.item() == pytest.approx(expected.item())
+    assert greedy_match(student, teacher, torch.zeros_like(mask)).item() == 0
+
+
+def test_no_grad_and_bf16_inputs_match_fp32():
+    student, teacher, labels, mask = _batch()
+    objective = {"forward_kl": 1.0, "jsd": 1.0, "ce": 1.0}
+    ref = _loss(student, TeacherTargets(logits=teacher), labels, mask, objective)
+    with torch.no_grad():  # validation path: no checkpointing
+        torch.testing.assert_close(_loss(student, TeacherTargets(logits=teacher), labels, mask, objective), ref)
+    low = _loss(student.bfloat16(), TeacherTargets(logits=teacher.bfloat16()), labels, mask, objective)
+    assert low.dtype == torch.float32  # fp32 softmax whatever the logits' dtype
+    torch.testing.assert_close(low, ref.detach(), rtol=5e-2, atol=5e-2)
