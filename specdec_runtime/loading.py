@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import tempfile
 from pathlib import Path
 
@@ -108,9 +109,11 @@ def gguf_to_safetensors(gguf_path: Path) -> Path:
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    except (ValueError, KeyError, NotImplementedError) as e:
-        raise ModelLoadError(f"transformers cannot load {gguf_path} ({str(e).splitlines()[0]}); pass an HF folder or "
-                             "a GGUF of an architecture transformers supports (llama, mistral, qwen2, ...)") from None
+    except (ValueError, KeyError, NotImplementedError, struct.error) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelLoadError(f"transformers cannot load {gguf_path} ({why}); the file may be truncated, or of an "
+                             "architecture transformers cannot read from GGUF: pass an HF folder or a GGUF of a "
+                             "supported architecture (llama, mistral, qwen2, ...)") from None
     # The loaded model is dequantized fp32 but still flagged as GGUF-quantized, which blocks save_pretrained.
     model.hf_quantizer = None
     del model.config.quantization_config
@@ -121,14 +124,14 @@ def gguf_to_safetensors(gguf_path: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "specdistill_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
         tmp.rename(out)
-    except OSError:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (out / "config.json").is_file():  # not another process winning the race: a real error
             raise
     return out
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
         return False
     try:
@@ -186,7 +189,7 @@ def _from_pretrained(auto_cls, path: str, local: bool, spec: str, **kwargs):
             return auto_cls.from_pretrained(path, local_files_only=True, **kwargs)
         except OSError:
             pass
-        if not _hub_reachable():
+        if not hub_reachable():
             raise ModelLoadError(f"no network access to the model hub for {spec!r}; pass a local folder, a .gguf "
                                  f"file or {DEFAULT_TARGET}")
     try:

@@ -1,0 +1,541 @@
+"""Prompt sources: files, `datasets` folders, the HF hub, the shipped set, or prompts the teacher writes itself.
+
+Every source becomes a list of `PromptRecord`s (chat messages ending with a user turn), which the data stage renders
+with the teacher's chat template (`render_chat`) and answers. Accepted sources:
+
+    load_prompts("prompts.jsonl")          # also .json ([...] or {"data": [...]}), .csv, .parquet
+    load_prompts("my_prompts_dataset/")    # saved with datasets' save_to_disk (a DatasetDict needs split=...)
+    load_prompts("builtin")                # the shipped set; "builtin:train" / "builtin:eval" are its fixed splits
+    load_prompts("owner/name", split="test")   # HF hub dataset (needs network or a warm datasets cache)
+
+Record fields: `prompt`, `messages` ({role, content} list), or `turns` (Spec-Bench / MT-bench user turns), with
+`instruction` (+ `input`) and `question` as aliases of `prompt`; `question_id` / `id` and `category` are kept.
+"""
+
+import csv
+import hashlib
+import json
+import random
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ACCEPTED_FIELDS = ("prompt", "messages", "turns", "instruction", "question")
+FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+ROLES = ("system", "user", "assistant")
+BUILTIN_EVAL_FRACTION = 0.1
+BUILTIN_SEED = 0
+
+
+@dataclass
+class PromptRecord:
+    """One prompt: the chat the teacher (or, at eval time, the target) answers."""
+
+    id: str
+    """Stable id: the source's `question_id` / `id`, else a hash of the content; splits hash it."""
+    messages: list[dict]
+    """Chat messages ({role, content}) ending with a user turn; for `turns` records only the first turn."""
+    category: str = "general"
+    """Category for stratified splits and per-category reports."""
+    turns: list[str] | None = None
+    """Every user turn of a Spec-Bench / MT-bench record, answered one after another at eval; None otherwise."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def load_prompts(source: str | Path, *, split: str | None = None, limit: int | None = None) -> list[PromptRecord]:
+    """Load prompts from a file, a `datasets` folder, 'builtin[:train|:eval]' or a hub dataset id.
+
+    `split` picks a split of a DatasetDict folder or hub dataset, or 'train' / 'eval' of the builtin set;
+    `limit` keeps the first N records.
+    """
+    source = str(source)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    if source == "builtin" or source.startswith("builtin:"):
+        records = _load_builtin(source.partition(":")[2] or None, split)
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            rows = _read_datasets_folder(path, split)
+        elif path.is_file():
+            if split is not None:
+                raise ValueError(
+                    f"split={split!r} applies to datasets folders, hub ids and 'builtin'; {source} is a file"
+                )
+            rows = _read_file(path)
+        elif _looks_like_path(source):
+            raise FileNotFoundError(f"prompt file not found: {source}")
+        else:
+            rows = _read_hub(source, split)
+        records = records_from_rows(rows, source)
+    if not records:
+        raise ValueError(f"{source} has no prompts (0 records)")
+    return records[:limit]
+
+
+def records_from_rows(rows: Sequence[Any], name: str) -> list[PromptRecord]:
+    """Parse raw rows (dicts) into records; `name` prefixes every error. Repeated ids get a '#k' suffix."""
+    records = [_parse_row(row, i, name) for i, row in enumerate(rows)]
+    seen: dict[str, int] = {}
+    repeats = 0
+    for r in records:
+        seen[r.id] = seen.get(r.id, 0) + 1
+        if seen[r.id] > 1:
+            r.id, repeats = f"{r.id}#{seen[r.id]}", repeats + 1
+    if repeats:
+        warnings.warn(f"{name}: {repeats} records repeat an earlier id; suffixed them with '#k'", stacklevel=2)
+    return records
+
+
+def save_prompts(records: Sequence[PromptRecord], path: str | Path) -> None:
+    """Write records as JSONL that `load_prompts` reads back unchanged (used for the run's prompt splits)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for r in records:
+            row = {k: v for k, v in asdict(r).items() if v is not None}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _load_builtin(name: str | None, split: str | None) -> list[PromptRecord]:
+    if name and split and name != split:
+        raise ValueError(f"'builtin:{name}' conflicts with split={split!r}")
+    which = name or split
+    if which not in (None, "train", "eval"):
+        raise ValueError(f"unknown builtin split {which!r}; use 'builtin', 'builtin:train' or 'builtin:eval'")
+    text = resources.files("distill").joinpath("prompts/specdistill_prompts.jsonl").read_text(encoding="utf-8")
+    records = records_from_rows(_parse_jsonl(text, "builtin"), "builtin")
+    if which is None:
+        return records
+    train, eval_ = split_prompts(records, BUILTIN_EVAL_FRACTION, BUILTIN_SEED)
+    return train if which == "train" else eval_
+
+
+def _looks_like_path(source: str) -> bool:
+    # Hub ids are 'name' or 'owner/name'; anything else that does not exist is a mistyped local path.
+    return (
+        source.endswith(FILE_SUFFIXES) or source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
+    )
+
+
+def _read_file(path: Path) -> list[Any]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _parse_jsonl(path.read_text(encoding="utf-8"), str(path))
+    if suffix == ".json":
+        return _parse_json(path.read_text(encoding="utf-8"), str(path))
+    if suffix == ".csv":
+        with path.open(newline="", encoding="utf-8") as f:
+            # An empty cell means "absent", so a CSV may mix prompt and messages columns.
+            return [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise ValueError(
+        f"{path}: unsupported prompt file type {suffix!r}; use {', '.join(FILE_SUFFIXES)}, "
+        "a datasets folder, or 'builtin'"
+    )
+
+
+def _parse_jsonl(text: str, name: str) -> list[Any]:
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name}: line {lineno} is not valid JSON ({e.msg})") from None
+    return rows
+
+
+def _parse_json(text: str, name: str) -> list[Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return _parse_jsonl(text, name)  # JSON Lines saved under a .json name
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        return data["data"]
+    if isinstance(data, list):
+        return data
+    raise ValueError(f'{name}: expected a list of objects or {{"data": [...]}}, got a {type(data).__name__}')
+
+
+def _read_datasets_folder(path: Path, split: str | None) -> list[Any]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise ValueError(f"{path} is a folder but not a datasets folder saved with save_to_disk") from None
+    if isinstance(ds, datasets.Dataset) and split is not None:
+        raise ValueError(f"{path} holds a single Dataset; drop split={split!r}")
+    return _pick_split(ds, split, str(path)).to_list()
+
+
+def _read_hub(dataset_id: str, split: str | None) -> list[Any]:
+    import datasets
+
+    from specdec_runtime.loading import hub_reachable
+
+    offline = ConnectionError(
+        f"no network access to the Hugging Face hub for dataset '{dataset_id}'; pass a local file or folder "
+        "(JSONL/JSON/CSV/parquet/datasets folder) or 'builtin'"
+    )
+    if not hub_reachable():  # fail at once instead of after the hub client's ~25 s of retries
+        raise offline
+    try:
+        ds = datasets.load_dataset(dataset_id, split=split)
+    except ConnectionError:
+        raise offline from None
+    return _pick_split(ds, None, dataset_id).to_list()
+
+
+def _pick_split(ds: Any, split: str | None, name: str) -> Any:
+    import datasets
+
+    if not isinstance(ds, datasets.DatasetDict):
+        return ds
+    if split is None and len(ds) == 1:
+        return next(iter(ds.values()))
+    if split is None or split not in ds:
+        # Never guess between several splits: picking 'train' silently could train on an eval split.
+        raise ValueError(f"{name} has splits {list(ds)}; pass split=<one of them>")
+    return ds[split]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one row -> one record
+
+
+def _parse_row(row: Any, index: int, name: str) -> PromptRecord:
+    where = f"{name}: record {index}"
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where} is a {type(row).__name__}, not an object with one of {', '.join(ACCEPTED_FIELDS)}")
+    turns = None
+    if row.get("messages") is not None:
+        messages = _check_messages(_json_if_str(row["messages"]), where)
+        if row.get("turns") is not None:
+            turns = _check_turns(_json_if_str(row["turns"]), where)
+    elif row.get("turns") is not None:
+        turns = _check_turns(_json_if_str(row["turns"]), where)
+        messages = [{"role": "user", "content": turns[0]}]
+    else:
+        messages = [{"role": "user", "content": _prompt_text(row, where)}]
+    rid = row.get("question_id", row.get("id"))
+    category = row.get("category")
+    return PromptRecord(
+        id=str(rid) if rid not in (None, "") else _content_id(messages),
+        messages=messages,
+        category=str(category) if category not in (None, "") else "general",
+        turns=turns,
+    )
+
+
+def _prompt_text(row: Mapping, where: str) -> str:
+    if row.get("prompt") is not None:
+        key, text = "prompt", row["prompt"]
+    elif row.get("instruction") is not None:
+        key, text = "instruction", row["instruction"]
+        extra = row.get("input")
+        if isinstance(text, str) and isinstance(extra, str) and extra.strip():
+            text = f"{text}\n\n{extra}"
+    elif row.get("question") is not None:
+        key, text = "question", row["question"]
+    else:
+        raise ValueError(f"{where} has none of the accepted fields {', '.join(ACCEPTED_FIELDS)} (keys: {sorted(row)})")
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field '{key}' must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"{where}: empty prompt in field '{key}'")
+    return text
+
+
+def _check_messages(messages: Any, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: message {j} must be {{role: one of {ROLES}, content: string}}, got {m!r}")
+        if not m["content"].strip():
+            raise ValueError(f"{where}: message {j} has empty content")
+        out.append({"role": m["role"], "content": m["content"]})
+    # A conversation that ends with a reply loses that reply: the teacher writes its own (sequence-level KD).
+    while out and out[-1]["role"] == "assistant":
+        out.pop()
+    if not out or out[-1]["role"] != "user":
+        raise ValueError(f"{where}: 'messages' has no user turn to answer")
+    return out
+
+
+def _check_turns(turns: Any, where: str) -> list[str]:
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+    if any(not t.strip() for t in turns):
+        raise ValueError(f"{where}: 'turns' has an empty turn")
+    return list(turns)
+
+
+def _json_if_str(value: Any) -> Any:
+    # CSV cells hold chat lists as JSON text.
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _content_id(messages: list[dict]) -> str:
+    # Content-derived, so an id-less record keeps its id (and its split) when other records are added.
+    digest = hashlib.sha1(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+    return f"p-{digest[:12]}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train / eval split
+
+
+def split_prompts(
+    records: Sequence[PromptRecord], eval_fraction: float = 0.1, seed: int = 0
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Split into (train, eval), stratified by category; deterministic from each id's hash with `seed`.
+
+    Inside each category, records are ranked by hash(seed, id) and the first round(f * n) go to eval. Categories
+    are independent, so adding prompts to one never moves another's, and ranks never reshuffle: at most the
+    boundary records of a category that grew change side. Categories too small for one eval record are pooled and
+    split the same way. Input order is kept inside each split.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    by_category: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_category.setdefault(r.category, []).append(i)
+    groups = [idx for idx in by_category.values() if _eval_count(len(idx), eval_fraction) > 0]
+    pooled = [i for idx in by_category.values() if _eval_count(len(idx), eval_fraction) == 0 for i in idx]
+    eval_idx = set()
+    for idx in [*groups, pooled]:
+        ranked = sorted(idx, key=lambda i: _hash_rank(records[i].id, seed))
+        eval_idx.update(ranked[: _eval_count(len(idx), eval_fraction)])
+    if not eval_idx and eval_fraction > 0 and len(records) > 1:  # keep an eval split, however small the set
+        eval_idx.add(min(range(len(records)), key=lambda i: _hash_rank(records[i].id, seed)))
+    train = [r for i, r in enumerate(records) if i not in eval_idx]
+    eval_ = [r for i, r in enumerate(records) if i in eval_idx]
+    return train, eval_
+
+
+def _eval_count(n: int, eval_fraction: float) -> int:
+    # Round half up (Python's round() rounds half to even), never the whole group.
+    return min(int(eval_fraction * n + 0.5), max(n - 1, 0))
+
+
+def _hash_rank(record_id: str, seed: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}\x00{record_id}".encode()).digest()[:8], "big")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# self-instruct: the teacher writes the prompts
+
+SELF_INSTRUCT_TOPICS = (
+    ("writing", "writing a short poem"),
+    ("writing", "writing a polite email"),
+    ("writing", "writing a short story"),
+    ("writing", "writing a product description"),
+    ("writing", "editing a paragraph to make it clearer"),
+    ("coding", "Python functions"),
+    ("coding", "Python lists and dictionaries"),
+    ("coding", "SQL queries"),
+    ("coding", "JavaScript in web pages"),
+    ("coding", "fixing a bug in a short program"),
+    ("coding", "using git"),
+    ("math", "percentages and discounts"),
+    ("math", "fractions and decimals"),
+    ("math", "simple algebra equations"),
+    ("math", "areas and perimeters of shapes"),
+    ("math", "probability with dice or coins"),
+    ("reasoning", "logic puzzles"),
+    ("reasoning", "planning a schedule"),
+    ("reasoning", "comparing two options and choosing one"),
+    ("qa", "the solar system"),
+    ("qa", "the human body"),
+    ("qa", "world geography"),
+    ("qa", "world history"),
+    ("qa", "animals and their habitats"),
+    ("qa", "weather and climate"),
+    ("qa", "how everyday technology works"),
+    ("qa", "personal finance and budgeting"),
+    ("qa", "healthy eating"),
+    ("qa", "physical exercise"),
+    ("qa", "learning a new language"),
+    ("summarization", "summarizing a short news story that you include in the request"),
+    ("summarization", "summarizing a short paragraph about science that you include in the request"),
+    ("translation", "translating a short sentence between English and French or Spanish"),
+    ("extraction", "pulling dates, names or numbers out of a short text that you include in the request"),
+    ("roleplay", "pretending to be a tour guide, a chef or a teacher"),
+    ("roleplay", "acting as a customer support agent"),
+    ("general", "cooking and recipes"),
+    ("general", "travel planning"),
+    ("general", "gardening"),
+    ("general", "study tips for students"),
+    ("general", "job interviews"),
+    ("general", "home repairs"),
+)
+_ANGLES = (
+    "",
+    " for a beginner",
+    " in everyday life",
+    " that needs a short answer",
+    " that asks for an example",
+    " for someone at work",
+)
+_PREAMBLE = re.compile(r"^(sure|certainly|okay|ok|of course|here('s| is| are))\b.*:\s*$", re.IGNORECASE)
+# Leading labels and one-line preambles: "1. **Question:** ...", "Sure! Here's one: ...".
+_PREFIXES = (
+    re.compile(r"^(\d+[.)]|[-*•])\s+"),
+    re.compile(
+        r"^\**\s*(new\s+)?(question|task|prompt|user|q|request|instruction)\s*\d*\s*\**\s*(:|[-–](?=\s))\s*\**\s*",
+        re.IGNORECASE,
+    ),
+    re.compile(r"^(sure|certainly|of course|okay|here('s| is| are))\b[^:]{0,60}:\s+", re.IGNORECASE),
+)
+_STOP = re.compile(r"^\s*\**\s*(answer|a|assistant|response)\s*\**\s*:", re.IGNORECASE)
+_QUOTES = ('""', "''", "“”", "‘’", "``", "**")
+
+
+def self_instruct_prompts(
+    generate_fn: Callable[[list[list[dict]]], list[str]],
+    n: int,
+    seed: int = 0,
+    *,
+    batch_size: int = 16,
+    max_attempts: int | None = None,
+    topics: Sequence[tuple[str, str]] = SELF_INSTRUCT_TOPICS,
+    min_chars: int = 12,
+    max_chars: int = 400,
+) -> list[PromptRecord]:
+    """Have the teacher write `n` unique user prompts, for users who bring none.
+
+    `generate_fn` takes a batch of chat message lists and returns one reply each (the caller samples the teacher
+    with temperature > 0; this module has no model code). Topics are (category, topic) pairs; each request asks
+    for one question about a random topic and angle. Replies are cleaned, then deduplicated exactly
+    (case / whitespace) and approximately (token-set Jaccard >= 0.8). Stops after `max_attempts` requests
+    (default 4 n) and returns what it has with a warning.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    rng = random.Random(seed)
+    max_attempts = 4 * n if max_attempts is None else max_attempts
+    kept: list[PromptRecord] = []
+    seen_norm: set[str] = set()
+    seen_tokens: list[set[str]] = []
+    attempts = 0
+    while len(kept) < n and attempts < max_attempts:
+        picks = [(rng.choice(topics), rng.choice(_ANGLES)) for _ in range(min(batch_size, max_attempts - attempts))]
+        requests = [[{"role": "user", "content": _self_instruct_request(topic, angle)}] for (_, topic), angle in picks]
+        replies = generate_fn(requests)
+        if len(replies) != len(requests):
+            raise ValueError(f"generate_fn returned {len(replies)} replies for {len(requests)} requests")
+        attempts += len(requests)
+        for ((category, _), _), reply in zip(picks, replies):
+            text = clean_generated_prompt(reply, min_chars, max_chars)
+            if text is None or _is_duplicate(text, seen_norm, seen_tokens):
+                continue
+            kept.append(
+                PromptRecord(
+                    id=f"self_instruct-{len(kept):05d}", messages=[{"role": "user", "content": text}], category=category
+                )
+            )
+            if len(kept) == n:
+                break
+    if len(kept) < n:
+        warnings.warn(
+            f"self_instruct_prompts: {len(kept)} unique prompts of {n} requested after {attempts} "
+            "teacher requests; returning those",
+            stacklevel=2,
+        )
+    return kept
+
+
+def _self_instruct_request(topic: str, angle: str) -> str:
+    return (
+        f"Write one new, specific question or task a user might ask an AI assistant about {topic}{angle}. "
+        "Reply with the question only."
+    )
+
+
+def clean_generated_prompt(text: str, min_chars: int = 12, max_chars: int = 400) -> str | None:
+    """The question inside a teacher reply: drop preambles, 'Question:' labels, quotes and any self-answer.
+
+    Returns None when nothing of `min_chars`..`max_chars` characters is left.
+    """
+    lines = [ln.strip() for ln in text.strip().splitlines()]
+    while lines and (not lines[0] or _PREAMBLE.match(lines[0])):
+        lines.pop(0)
+    body = []
+    for ln in lines:  # first paragraph only: the model often answers its own question after a blank line
+        if not ln or _STOP.match(ln):
+            break
+        body.append(ln)
+    out = " ".join(body)
+    while (stripped := _strip_prefix(out)) != out:
+        out = stripped
+    while len(out) >= 2 and out[0] + out[-1] in _QUOTES:
+        out = out[1:-1].strip()
+    return out if min_chars <= len(out) <= max_chars else None
+
+
+def _strip_prefix(text: str) -> str:
+    for pattern in _PREFIXES:
+        text = pattern.sub("", text, count=1).strip()
+    return text
+
+
+def _is_duplicate(text: str, seen_norm: set[str], seen_tokens: list[set[str]]) -> bool:
+    norm = " ".join(text.lower().split()).rstrip(" ?.!")
+    tokens = set(re.findall(r"[a-z0-9']+", norm))
+    # O(n) scan per prompt; self-instruct sets are hundreds to a few thousand prompts.
+    if norm in seen_norm or any(len(tokens & t) >= 0.8 * len(tokens | t) for t in seen_tokens):
+        return True
+    seen_norm.add(norm)
+    seen_tokens.append(tokens)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat template
+
+
+def render_chat(
+    tokenizer: "PreTrainedTokenizerBase", messages: list[dict], *, plain_fallback: bool = False
+) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template, ending with the assistant generation prompt.
+
+    With no chat template this raises, unless `plain_fallback=True`: then the chat is rendered as plain
+    "User: ...\\nAssistant: ...\\n...Assistant:" text (roles capitalised) with the tokenizer's usual special tokens,
+    which only suits base models that were never trained on a template.
+    """
+    if not messages or messages[-1]["role"] != "user":
+        raise ValueError("messages must end with a user turn")
+    if tokenizer.chat_template is None:
+        if not plain_fallback:
+            raise ValueError(
+                f"tokenizer {tokenizer.name_or_path or '(unnamed)'!r} has no chat template; use a chat/instruct "
+                "model, set tokenizer.chat_template, or pass plain_fallback=True for plain 'User: ...' text"
+            )
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+        return list(tokenizer(text)["input_ids"])
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding by default, 4.x a plain list of ids.
+    ids = out["input_ids"] if isinstance(out, Mapping) else out
+    return [int(i) for i in ids]

@@ -1,0 +1,435 @@
+"""Prompt sources: every file format, datasets folders, the builtin set and its splits, bad inputs, self-instruct."""
+
+import csv
+import json
+import random
+import re
+from collections import Counter
+
+import pytest
+
+from distill.prompts import (
+    ACCEPTED_FIELDS,
+    PromptRecord,
+    clean_generated_prompt,
+    load_prompts,
+    render_chat,
+    save_prompts,
+    self_instruct_prompts,
+    split_prompts,
+)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# formats
+
+
+def test_jsonl_prompt_field(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Hi there?", "category": "qa"}, {"prompt": "Bye."}])
+    records = load_prompts(path)
+    assert records[0] == PromptRecord(id="a", messages=user("Hi there?"), category="qa")
+    assert records[1].messages == user("Bye.") and records[1].category == "general" and records[1].turns is None
+    assert records[1].id.startswith("p-")  # content hash: stable when other prompts are added
+    assert (
+        load_prompts(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "zzz"}, {"prompt": "Bye."}]))[1].id == records[1].id
+    )
+
+
+def test_json_messages_list_and_data_wrapper(tmp_path):
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Red."},  # a reply at the end is dropped: the teacher writes its own
+    ]
+    rows = [{"messages": chat, "id": 7}, {"messages": user("Solo turn")}]
+    (tmp_path / "list.json").write_text(json.dumps(rows))
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": rows}))
+    for name in ("list.json", "wrapped.json"):
+        records = load_prompts(tmp_path / name)
+        assert [r.id for r in records][0] == "7"
+        assert records[0].messages == chat[:4] and records[1].messages == user("Solo turn")
+
+
+def test_csv_with_aliases_and_json_cells(tmp_path):
+    path = tmp_path / "p.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["id", "category", "prompt", "instruction", "input", "messages"])
+        w.writeheader()
+        w.writerow({"id": "c1", "category": "math", "prompt": "What is 2 + 2?"})
+        w.writerow({"id": "c2", "instruction": "Translate to French.", "input": "Good morning."})
+        w.writerow({"id": "c3", "messages": json.dumps(user("From a JSON cell"))})
+    records = load_prompts(path)
+    assert [r.id for r in records] == ["c1", "c2", "c3"]
+    assert records[0].category == "math" and records[1].category == "general"
+    assert records[1].messages == user("Translate to French.\n\nGood morning.")
+    assert records[2].messages == user("From a JSON cell")
+
+
+def test_parquet(tmp_path):
+    import datasets
+
+    rows = [
+        {"question_id": 1, "category": "coding", "prompt": "Write a loop.", "messages": None},
+        {"question_id": 2, "category": "chat", "prompt": None, "messages": user("Hello!")},
+    ]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
+    records = load_prompts(tmp_path / "p.parquet")
+    assert [(r.id, r.category, r.messages) for r in records] == [
+        ("1", "coding", user("Write a loop.")),
+        ("2", "chat", user("Hello!")),
+    ]
+
+
+def test_datasets_folders(tmp_path):
+    import datasets
+
+    train = datasets.Dataset.from_list([{"question": "Why is the sea salty?"}, {"question": "What is rain?"}])
+    test = datasets.Dataset.from_list([{"question": "Who was Ada Lovelace?"}])
+    train.save_to_disk(str(tmp_path / "single"))
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "dict"))
+
+    assert [r.messages for r in load_prompts(tmp_path / "single")] == [
+        user("Why is the sea salty?"),
+        user("What is rain?"),
+    ]
+    assert [r.messages for r in load_prompts(tmp_path / "dict", split="test")] == [user("Who was Ada Lovelace?")]
+    with pytest.raises(ValueError, match=r"splits \['train', 'test'\]"):
+        load_prompts(tmp_path / "dict")  # never guess which split to train on
+    with pytest.raises(ValueError, match="single Dataset"):
+        load_prompts(tmp_path / "single", split="test")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match="not a datasets folder"):
+        load_prompts(tmp_path / "plain")
+
+
+def test_specbench_turns(tmp_path):
+    rows = [
+        {"question_id": 81, "category": "writing", "turns": ["Write a travel blog post.", "Now rewrite it as a poem."]},
+        {"question_id": 82, "category": "math", "turns": ["What is 3 * 4?"]},
+    ]
+    records = load_prompts(write_jsonl(tmp_path / "question.jsonl", rows))
+    assert records[0].id == "81" and records[0].category == "writing"
+    assert records[0].turns == ["Write a travel blog post.", "Now rewrite it as a poem."]
+    assert records[0].messages == user("Write a travel blog post.")  # the first turn only
+    assert records[1].turns == ["What is 3 * 4?"]
+
+
+def test_save_prompts_round_trip(tmp_path):
+    records = load_prompts("builtin:eval") + [PromptRecord(id="t", messages=user("a"), turns=["a", "b"])]
+    save_prompts(records, tmp_path / "data" / "eval.jsonl")
+    assert load_prompts(tmp_path / "data" / "eval.jsonl") == records
+
+
+def test_repeated_ids_get_suffixed(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": "x", "prompt": "one"}, {"id": "x", "prompt": "two"}])
+    with pytest.warns(UserWarning, match="1 records repeat an earlier id"):
+        records = load_prompts(path)
+    assert [r.id for r in records] == ["x", "x#2"]
+
+
+def test_limit(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i}"} for i in range(5)])
+    assert [r.messages[0]["content"] for r in load_prompts(path, limit=2)] == ["prompt 0", "prompt 1"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the builtin set
+
+
+def test_builtin_set_is_large_varied_and_unique():
+    records = load_prompts("builtin")
+    counts = Counter(r.category for r in records)
+    assert len(records) >= 300 and len(counts) >= 9
+    assert sum(n >= 30 for n in counts.values()) >= 9
+    assert 5 <= counts["multi_turn"] <= 10
+    assert len({r.id for r in records}) == len(records)
+    texts = [" ".join(json.dumps(r.messages).lower().split()) for r in records]
+    assert len(set(texts)) == len(texts)
+    for r in records:
+        assert r.messages[-1]["role"] == "user" and r.messages[-1]["content"].strip()
+        if r.category == "multi_turn":
+            assert [m["role"] for m in r.messages][-3:] == ["user", "assistant", "user"]
+        if r.category == "summarization":  # the instruction plus a 60-150 word passage
+            assert 60 <= len(r.messages[0]["content"].split()) <= 170
+
+
+def test_builtin_splits_disjoint_deterministic_and_complete():
+    everything = load_prompts("builtin")
+    train, eval_ = load_prompts("builtin:train"), load_prompts("builtin:eval")
+    assert load_prompts("builtin", split="eval") == eval_ and load_prompts("builtin:eval") == eval_
+    train_ids, eval_ids = {r.id for r in train}, {r.id for r in eval_}
+    assert not train_ids & eval_ids
+    assert train_ids | eval_ids == {r.id for r in everything}
+    assert 30 <= len(eval_) <= 40
+    # stratified: each category's eval share is 10% of it, rounded down or up
+    total, held_out = Counter(r.category for r in everything), Counter(r.category for r in eval_)
+    assert all(int(0.1 * n) <= held_out[c] <= int(0.1 * n) + 1 for c, n in total.items())
+    with pytest.raises(ValueError, match="unknown builtin split"):
+        load_prompts("builtin:test")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# split_prompts
+
+
+def make_records(n, categories=("a", "b", "c"), prefix="r"):
+    return [
+        PromptRecord(id=f"{prefix}{i}", messages=user(f"q{i}"), category=categories[i % len(categories)])
+        for i in range(n)
+    ]
+
+
+def test_split_is_stratified_and_ignores_input_order():
+    records = make_records(300)
+    train, eval_ = split_prompts(records, eval_fraction=0.2, seed=3)
+    assert len(eval_) == 60 and len(train) == 240
+    assert Counter(r.category for r in eval_) == {"a": 20, "b": 20, "c": 20}
+    shuffled = records[:]
+    random.Random(0).shuffle(shuffled)
+    assert {r.id for r in split_prompts(shuffled, 0.2, seed=3)[1]} == {r.id for r in eval_}
+    assert {r.id for r in split_prompts(records, 0.2, seed=4)[1]} != {r.id for r in eval_}
+    assert [r.id for r in eval_] == sorted((r.id for r in eval_), key=lambda i: int(i[1:]))  # input order kept
+
+
+def test_adding_prompts_moves_only_boundary_records():
+    old = make_records(300)
+    old_eval = {r.id for r in split_prompts(old, 0.1, seed=0)[1]}
+    # a new category leaves every existing assignment alone
+    assert {r.id for r in split_prompts(old + make_records(40, ("d",), "n"), 0.1, seed=0)[1]} >= old_eval
+    # growing a category moves at most its boundary records (a reshuffle would move ~54 of the 300)
+    new_eval = {r.id for r in split_prompts(old + make_records(40, ("a",), "n"), 0.1, seed=0)[1]}
+    moved = {r.id for r in old} & (old_eval ^ new_eval)
+    assert len(moved) <= 4 and {r.category for r in old if r.id in moved} <= {"a"}
+
+
+def test_split_edge_cases():
+    assert split_prompts(make_records(1), 0.5) == (make_records(1), [])
+    # categories too small for an eval record are pooled: 30 singletons still give ~10% eval
+    train, eval_ = split_prompts(make_records(30, categories=[str(i) for i in range(30)]), 0.1)
+    assert len(eval_) == 3 and len(train) == 27
+    train, eval_ = split_prompts(make_records(5, categories=("a", "b", "c", "d", "e")), 0.1)
+    assert len(eval_) == 1 and len(train) == 4
+    assert [len(part) for part in split_prompts(make_records(2, categories=("a",)), 0.9)] == [1, 1]  # train kept
+    assert split_prompts(make_records(10), 0.0)[1] == []
+    with pytest.raises(ValueError, match="eval_fraction"):
+        split_prompts(make_records(10), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad inputs
+
+
+def test_record_without_accepted_fields(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, {"text": "no accepted field"}])
+    with pytest.raises(ValueError) as e:
+        load_prompts(path)
+    msg = str(e.value)
+    assert str(path) in msg and "record 1" in msg
+    assert all(field in msg for field in ACCEPTED_FIELDS)
+
+
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        ([{"prompt": "ok"}, {"prompt": "ok2"}, {"prompt": "   \n"}], r"record 2: empty prompt"),
+        ([{"messages": [{"role": "assistant", "content": "Hi"}]}], r"record 0: 'messages' has no user turn"),
+        ([{"messages": [{"role": "bot", "content": "Hi"}]}], r"record 0: message 0 must be"),
+        ([{"turns": []}], r"record 0: 'turns' must be a non-empty list"),
+        ([{"prompt": 3}], r"record 0: field 'prompt' must be a string"),
+        (["just a string"], r"record 0 is a str"),
+    ],
+)
+def test_bad_records_name_the_index(tmp_path, rows, match):
+    with pytest.raises(ValueError, match=match):
+        load_prompts(write_jsonl(tmp_path / "bad.jsonl", rows))
+
+
+def test_missing_empty_and_malformed_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prompt file not found: .*nope.jsonl"):
+        load_prompts(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError):
+        load_prompts("./no/such/folder")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="has no prompts"):
+        load_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(ValueError, match="has no prompts"):
+        load_prompts(tmp_path / "empty.json")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        load_prompts(tmp_path / "broken.jsonl")
+    (tmp_path / "p.txt").write_text("hello")
+    with pytest.raises(ValueError, match="unsupported prompt file type '.txt'"):
+        load_prompts(tmp_path / "p.txt")
+    with pytest.raises(ValueError, match="applies to datasets folders"):
+        load_prompts(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}]), split="train")
+
+
+def test_hub_id_without_network_fails_with_one_line(monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    # Both libraries read HF_HUB_OFFLINE at import time, so patch their copies too: the test must never hang.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConnectionError) as e:
+        load_prompts("specdistill-test/no-such-prompts")
+    assert str(e.value) == (
+        "no network access to the Hugging Face hub for dataset 'specdistill-test/no-such-prompts'; pass a local "
+        "file or folder (JSONL/JSON/CSV/parquet/datasets folder) or 'builtin'"
+    )
+    assert e.value.__cause__ is None and (e.value.__context__ is None or e.value.__suppress_context__)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# self-instruct
+
+
+def test_clean_generated_prompt():
+    reply = 'Sure! Here is a question:\n\n**Question:** "How do plants make food?"\n\nAnswer: by photosynthesis.'
+    assert clean_generated_prompt(reply) == "How do plants make food?"
+    assert clean_generated_prompt("1. Task - Write a haiku about rain.") == "Write a haiku about rain."
+    assert (
+        clean_generated_prompt("User-friendly apps: what makes them good?")
+        == "User-friendly apps: what makes them good?"
+    )
+    assert clean_generated_prompt("Q: Why is the sea salty?\nA: Salt from rocks.") == "Why is the sea salty?"
+    assert clean_generated_prompt("Hi?") is None and clean_generated_prompt("  ") is None
+    assert clean_generated_prompt("x" * 401) is None
+
+
+def test_self_instruct_dedups_and_cleans():
+    # The one place a fake generator is fine: the real teacher is plugged in by the data stage.
+    script = iter(
+        [
+            "Question: How do I sort a list in Python?",
+            "how do I sort a  LIST in python",  # exact duplicate after normalisation
+            "How do I sort a list in Python quickly?",  # near duplicate: Jaccard 8/9 >= 0.8
+            "",  # empty
+            "Ok",  # too short
+            '"What is the capital of Peru?"',
+            "Sure, here you go: Write a haiku about autumn leaves.",
+            "What is the capital city of Peru?",  # Jaccard 6/7 >= 0.8
+            "Explain photosynthesis in two sentences.",
+            "Name three healthy breakfast ideas.",
+        ]
+        + [f"Spare question number {i} about nothing?" for i in range(20)]
+    )
+    batches = []
+
+    def generate_fn(requests):
+        batches.append(requests)
+        return [next(script) for _ in requests]
+
+    records = self_instruct_prompts(generate_fn, n=5, seed=0, batch_size=4)
+    assert [r.messages[0]["content"] for r in records] == [
+        "How do I sort a list in Python?",
+        "What is the capital of Peru?",
+        "Write a haiku about autumn leaves.",
+        "Explain photosynthesis in two sentences.",
+        "Name three healthy breakfast ideas.",
+    ]
+    assert len({r.id for r in records}) == 5 and all(r.messages[0]["role"] == "user" for r in records)
+    assert [len(b) for b in batches] == [4, 4, 4]
+    request = batches[0][0]
+    assert len(request) == 1 and request[0]["role"] == "user"
+    assert re.fullmatch(
+        r"Write one new, specific question or task .+ about .+\. Reply with the question only\.", request[0]["content"]
+    )
+    assert all(
+        r.category
+        in {
+            "writing",
+            "coding",
+            "math",
+            "reasoning",
+            "qa",
+            "summarization",
+            "translation",
+            "extraction",
+            "roleplay",
+            "general",
+        }
+        for r in records
+    )
+
+
+def test_self_instruct_stops_after_max_attempts():
+    calls = []
+
+    def generate_fn(requests):
+        calls.append(len(requests))
+        return ["What is the same question every time?"] * len(requests)
+
+    with pytest.warns(UserWarning, match="1 unique prompts of 10 requested after 40 teacher requests"):
+        records = self_instruct_prompts(generate_fn, n=10, batch_size=16)
+    assert len(records) == 1 and sum(calls) == 40 and calls == [16, 16, 8]
+
+
+def test_self_instruct_requests_are_deterministic_in_seed():
+    def draw(seed):
+        seen = []
+
+        def generate_fn(requests):
+            seen.extend(r[0]["content"] for r in requests)
+            return [f"Unique question number {len(seen) + i}?" for i in range(len(requests))]
+
+        records = self_instruct_prompts(generate_fn, n=8, seed=seed, batch_size=8)
+        return seen, [r.category for r in records]
+
+    assert draw(1) == draw(1)
+    assert draw(1)[0] != draw(2)[0]
+    assert len(set(draw(1)[0])) > 1  # topics and angles vary across one batch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# render_chat
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture
+def word_tokenizer():
+    """A whitespace word-level tokenizer built in code (no hub), so expected ids can be written by hand."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "User:", "Assistant:", "hello", "there"]
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+def test_render_chat_applies_template_with_generation_prompt(word_tokenizer, monkeypatch):
+    word_tokenizer.chat_template = TEMPLATE
+    chat = [{"role": "system", "content": "hello"}, {"role": "user", "content": "hello there"}]
+    assert render_chat(word_tokenizer, chat) == [3, 7, 4, 1, 7, 8, 4, 2]
+    with pytest.raises(ValueError, match="end with a user turn"):
+        render_chat(word_tokenizer, chat + [{"role": "assistant", "content": "hello"}])
+    # transformers 4.x returned a plain list of ids instead of a BatchEncoding
+    monkeypatch.setattr(word_tokenizer, "apply_chat_template", lambda *a, **k: [5, 6])
+    assert render_chat(word_tokenizer, chat) == [5, 6]
+
+
+def test_render_chat_without_template(word_tokenizer):
+    assert word_tokenizer.chat_template is None
+    with pytest.raises(ValueError, match="has no chat template.*plain_fallback=True"):
+        render_chat(word_tokenizer, user("hello there"))
+    assert render_chat(word_tokenizer, user("hello there"), plain_fallback=True) == [5, 7, 8, 6]
