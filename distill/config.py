@@ -34,7 +34,7 @@ class DataConfig:
     top_p: float = 0.95
     """Teacher top-p for data generation (1.0 = off)."""
     batch_size: int = 16
-    """Prompts per teacher generation batch."""
+    """Sequences (prompt x sample) per teacher generation batch."""
     shard_size: int = 64
     """Prompts per written shard; a killed generation resumes at the first missing shard."""
     teacher_cache: bool = False

@@ -1,0 +1,445 @@
+"""Teacher-generated distillation data (sequence-level KD), written in resumable shards, and the offline top-k cache.
+
+The teacher answers every training prompt `num_samples` times; the answers are the distillation data (Kim & Rush
+2016, sequence-level KD). Held-out prompts get the same treatment in a second dataset, for validation.
+
+    data = generate_teacher_data(teacher, tokenizer, cfg.data, Path(cfg.output_dir) / "data", teacher_id=spec)
+    train = load_teacher_data(data.train)   # columns: id, category, input_ids, prompt_len[, topk_ids, topk_logprobs]
+
+From the command line (CPU, 1 GPU, N processes: each writes its own shards, rank 0 merges):
+
+    specdistill data configs/quickstart.yaml
+    torchrun --nproc_per_node 2 -m specdistill data configs/quickstart.yaml
+
+On disk, `<out_dir>/teacher-<fingerprint>/` (and `teacher-eval-<fingerprint>/`) is a `save_to_disk` folder finished
+by a `.complete` marker. While generating, shard i (prompts [i * shard_size, (i + 1) * shard_size)) is written to
+`shards/.tmp-shard-0000i` and renamed to `shards/shard-0000i`, so a killed run resumes at the first missing shard
+with nothing lost or repeated. Each batch samples with its own seeded generator, so a resumed run writes the same
+tokens an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from distill.config import DataConfig
+from distill.prompts import PromptRecord, load_prompts, render_chat, save_prompts, self_instruct_prompts
+from specdec_runtime.engine import SamplingParams, generate
+
+FORMAT_VERSION = 1  # bump when the columns or the sampling scheme change, so old caches are not reused
+COMPLETE = ".complete"
+SELF_INSTRUCT = "self_instruct"
+# Prompt writing needs diversity whatever temperature the answers are sampled at.
+SELF_INSTRUCT_SAMPLING = SamplingParams(temperature=1.0, top_p=0.95)
+
+
+@dataclass
+class TeacherData:
+    """Where the finished datasets are."""
+
+    train: Path
+    """Teacher answers to the training prompts (a finished `save_to_disk` folder)."""
+    eval: Path
+    """Teacher answers to the held-out prompts, same format, for validation."""
+
+
+def features(top_k: int | None) -> datasets.Features:
+    """Column types of the data; the top-k columns only when the offline teacher cache is on (top_k = K)."""
+    cols = {
+        "id": datasets.Value("string"),  # "<prompt id>#<sample>"
+        "category": datasets.Value("string"),
+        "input_ids": datasets.List(datasets.Value("int32")),  # prompt + response (stop token included if emitted)
+        "prompt_len": datasets.Value("int32"),  # the response (and the loss mask) starts here
+    }
+    if top_k is not None:  # one row of K per response token
+        cols["topk_ids"] = datasets.List(datasets.List(datasets.Value("int32"), length=top_k))
+        cols["topk_logprobs"] = datasets.List(datasets.List(datasets.Value("float16"), length=top_k))
+    return datasets.Features(cols)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def generate_teacher_data(
+    teacher,
+    tokenizer,
+    cfg: DataConfig,
+    out_dir: Path,
+    *,
+    teacher_id: str,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+) -> TeacherData:
+    """Generate (or find cached) teacher answers to the training and held-out prompts.
+
+    `teacher_id` identifies the teacher weights (spec + resolved folder) in the fingerprint. With world_size > 1,
+    shard i is written by rank i % world_size and rank 0 merges; `barrier` (e.g. `accelerator.wait_for_everyone`)
+    must be passed when the ranks run concurrently, so rank 0 merges only once every shard is written.
+    """
+    cfg.validate()
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    vocab = teacher.config.vocab_size
+    if cfg.teacher_cache and cfg.teacher_cache_top_k > vocab:
+        raise ValueError(
+            f"data.teacher_cache_top_k={cfg.teacher_cache_top_k} exceeds the teacher's vocabulary ({vocab}); lower it"
+        )
+    out_dir = Path(out_dir)
+    stop_ids = stop_token_ids(teacher, tokenizer)
+    job = dict(cfg=cfg, out_dir=out_dir, teacher_id=teacher_id, seed=seed, stop_ids=stop_ids, rank=rank)
+    if cfg.prompts == SELF_INSTRUCT:
+        train_records = _self_instruct_records(teacher, tokenizer, barrier=barrier, **job)
+    else:
+        train_records = load_prompts(cfg.prompts)
+    splits = {
+        "teacher": (cfg.prompts, train_records[: cfg.max_prompts or None]),
+        "teacher-eval": (cfg.eval_prompts, load_prompts(cfg.eval_prompts, limit=cfg.max_eval_prompts or None)),
+    }
+    prompt_ids = {}
+    for split, (source, records) in splits.items():  # every check before any generation
+        if not records:
+            raise ValueError(f"no prompts to answer from {source!r}; pass a prompt set with at least one prompt")
+        prompt_ids[split] = render_prompts(tokenizer, records, cfg.max_prompt_tokens)
+    with _datasets_bars_off():
+        paths = {
+            split: _generate_split(
+                split, records, prompt_ids[split], teacher, world_size=world_size, barrier=barrier, **job
+            )
+            for split, (_, records) in splits.items()
+        }
+    return TeacherData(train=paths["teacher"], eval=paths["teacher-eval"])
+
+
+def load_teacher_data(path: Path) -> datasets.Dataset:
+    """The finished dataset at `path`; refuses a folder whose generation has not completed."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise ValueError(
+            f"{path} is not a finished teacher dataset (no {COMPLETE} marker): its generation was "
+            "interrupted or is still running; rerun `specdistill data` to finish it"
+        )
+    return datasets.load_from_disk(str(path))
+
+
+def cache_stats(path: Path) -> dict:
+    """Size of the offline teacher cache: {"tokens", "bytes_per_token", "top_k"} (raw payload of both columns)."""
+    table = load_teacher_data(path).data
+    if "topk_ids" not in table.column_names:
+        raise ValueError(f"{path} has no offline teacher cache; generate it with data.teacher_cache=true")
+    tokens = pc.sum(pc.list_value_length(table.column("topk_ids"))).as_py() or 0
+    payload = 0
+    for name in ("topk_ids", "topk_logprobs"):
+        values = pc.list_flatten(pc.list_flatten(table.column(name)))
+        payload += len(values) * values.type.byte_width
+    top_k = table.schema.field("topk_ids").type.value_type.list_size
+    return {"tokens": tokens, "bytes_per_token": payload / max(tokens, 1), "top_k": top_k}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Leaf functions
+
+
+def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (B, T, V) -> the k largest temperature-1 log-probs (B, T, K) as float16 and their ids (B, T, K) int32."""
+    logprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (B, T, V), fp32 so the normaliser is exact
+    values, ids = logprobs.topk(k, dim=-1)  # (B, T, K)
+    return values.half(), ids.int()
+
+
+def stop_token_ids(teacher, tokenizer) -> list[int]:
+    """The teacher's end-of-turn tokens: its generation config's eos ids plus the tokenizer's eos."""
+    eos = teacher.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    return sorted(int(i) for i in ids if i is not None)
+
+
+def shards_for_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
+    """Shard indices this rank writes: round-robin, so ranks share the work evenly."""
+    return list(range(rank, num_shards, world_size))
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def render_prompts(tokenizer, records: list[PromptRecord], max_prompt_tokens: int) -> list[list[int]]:
+    """Chat-templated prompt ids; refuses (naming the prompt) any longer than max_prompt_tokens."""
+    out = []
+    for record in records:
+        ids = render_chat(tokenizer, record.messages)
+        if len(ids) > max_prompt_tokens:
+            raise ValueError(
+                f"prompt {record.id!r} has {len(ids)} tokens after the chat template, more than "
+                f"data.max_prompt_tokens={max_prompt_tokens}; shorten or drop it, or raise the limit"
+            )
+        out.append(ids)
+    return out
+
+
+def fingerprint(
+    split: str,
+    records: list[PromptRecord],
+    prompt_ids: list[list[int]],
+    cfg: DataConfig,
+    teacher_id: str,
+    teacher_dtype: str,
+    seed: int,
+    stop_ids: list[int],
+) -> str:
+    """sha256[:12] over everything that decides the written tokens, and nothing else.
+
+    batch_size and shard_size are in it because each batch samples from its own generator: regrouping the rows
+    changes which random numbers each row sees.
+    """
+    settings = {
+        name: getattr(cfg, name)
+        for name in ("num_samples", "max_new_tokens", "temperature", "top_k", "top_p", "batch_size", "shard_size")
+    }
+    key = {
+        "format": FORMAT_VERSION,
+        "split": split,
+        "teacher": teacher_id,
+        "dtype": teacher_dtype,
+        "seed": seed,
+        "stop_ids": stop_ids,
+        "settings": settings,
+        "teacher_cache": cfg.teacher_cache_top_k if cfg.teacher_cache else 0,
+        "prompts": [[r.id, r.category, r.messages, ids] for r, ids in zip(records, prompt_ids)],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def batch_seed(seed: int, split: str, shard: int, batch: int) -> int:
+    """A seed per (split, shard, batch): a shard's tokens never depend on which rank or which run wrote it."""
+    digest = hashlib.sha256(f"{seed}/{split}/{shard}/{batch}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # manual_seed takes a non-negative int64
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One split: shards -> merged dataset
+
+
+def _generate_split(
+    split: str,
+    records: list[PromptRecord],
+    prompt_ids: list[list[int]],
+    teacher,
+    *,
+    cfg: DataConfig,
+    out_dir: Path,
+    teacher_id: str,
+    seed: int,
+    stop_ids: list[int],
+    rank: int,
+    world_size: int,
+    barrier: Callable[[], None] | None,
+) -> Path:
+    dtype = str(next(teacher.parameters()).dtype)
+    root = out_dir / f"{split}-{fingerprint(split, records, prompt_ids, cfg, teacher_id, dtype, seed, stop_ids)}"
+    if (root / COMPLETE).is_file():
+        if rank == 0:
+            print(f"{split}: cached, {_summary(json.loads((root / COMPLETE).read_text()), root)}")
+        return root
+
+    num_shards = math.ceil(len(records) / cfg.shard_size)
+    todo = [i for i in shards_for_rank(num_shards, rank, world_size) if not (root / "shards" / shard_name(i)).is_dir()]
+    rows_per_shard = [min(cfg.shard_size, len(records) - i * cfg.shard_size) * cfg.num_samples for i in todo]
+    with tqdm(total=sum(rows_per_shard), desc=split, unit="seq", disable=rank != 0) as bar:
+        for i in todo:
+            span = slice(i * cfg.shard_size, (i + 1) * cfg.shard_size)
+            columns = _generate_shard(
+                teacher,
+                records[span],
+                prompt_ids[span],
+                cfg,
+                stop_ids,
+                functools.partial(batch_seed, seed, split, i),
+                bar.update,
+            )
+            _write_atomic(
+                datasets.Dataset.from_dict(columns, features=features(_cache_k(cfg))), root / "shards" / shard_name(i)
+            )
+    if barrier is not None:
+        barrier()
+    if rank == 0:
+        summary = _merge(root, num_shards, num_prompts=len(records), num_samples=cfg.num_samples)
+        print(f"{split}: {_summary(summary, root)}")
+    if barrier is not None:
+        barrier()  # the other ranks return only once the merged dataset exists
+    return root
+
+
+def _generate_shard(
+    teacher,
+    records: list[PromptRecord],
+    prompt_ids: list[list[int]],
+    cfg: DataConfig,
+    stop_ids: list[int],
+    seed_of: Callable[[int], int],
+    progress: Callable[[int], object],
+) -> dict:
+    """Columns of one shard: every (prompt, sample) row, generated batch_size sequences at a time."""
+    rows = [(r, ids, s) for r, ids in zip(records, prompt_ids) for s in range(cfg.num_samples)]
+    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    columns: dict[str, list] = {name: [] for name in features(_cache_k(cfg))}
+    for b, start in enumerate(range(0, len(rows), cfg.batch_size)):
+        batch = rows[start : start + cfg.batch_size]
+        generator = torch.Generator(device=teacher.device).manual_seed(seed_of(b))
+        result = generate(
+            teacher,
+            None,
+            [ids for _, ids, _ in batch],
+            sampling=sampling,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=stop_ids,
+            generator=generator,
+        )
+        seqs = [ids + new for (_, ids, _), new in zip(batch, result.tokens)]
+        columns["id"] += [f"{r.id}#{s}" for r, _, s in batch]
+        columns["category"] += [r.category for r, _, _ in batch]
+        columns["input_ids"] += [np.asarray(seq, dtype=np.int32) for seq in seqs]
+        columns["prompt_len"] += [len(ids) for _, ids, _ in batch]
+        if cfg.teacher_cache:
+            logprobs, ids = _teacher_topk(teacher, seqs, [len(ids) for _, ids, _ in batch], cfg.teacher_cache_top_k)
+            columns["topk_logprobs"] += logprobs
+            columns["topk_ids"] += ids
+        progress(len(batch))
+    return columns
+
+
+def _teacher_topk(
+    teacher, seqs: list[list[int]], prompt_lens: list[int], k: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One teacher forward over prompt + response rows -> per row (R, K) fp16 log-probs and (R, K) int32 ids.
+
+    Row j of a sequence's arrays is the distribution that predicted its token prompt_len + j.
+    """
+    T = max(len(s) for s in seqs)
+    # Right padding needs no attention mask: under causal attention, pads after a token cannot change its logits.
+    x = torch.tensor([s + [0] * (T - len(s)) for s in seqs], device=teacher.device)  # (B, T)
+    first = min(prompt_lens) - 1  # earliest position whose logits predict a response token
+    with torch.inference_mode():
+        logits = teacher(input_ids=x, logits_to_keep=T - first).logits[:, :-1]  # (B, T - 1 - first, V)
+        logprobs, ids = topk_from_logits(logits, k)  # (B, T - 1 - first, K) each
+    logprobs, ids = logprobs.cpu().numpy(), ids.cpu().numpy()
+    spans = [slice(p - 1 - first, len(s) - 1 - first) for s, p in zip(seqs, prompt_lens)]
+    return [logprobs[b, span] for b, span in enumerate(spans)], [ids[b, span] for b, span in enumerate(spans)]
+
+
+def _write_atomic(ds: datasets.Dataset, path: Path) -> None:
+    """save_to_disk under a temp name, then rename: a shard folder either is complete or does not exist."""
+    tmp = path.parent / f".tmp-{path.name}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left over by a killed run
+    ds.save_to_disk(str(tmp))
+    tmp.rename(path)
+
+
+def _merge(root: Path, num_shards: int, *, num_prompts: int, num_samples: int) -> dict:
+    """Concatenate the shards into `root`, write the marker last, then drop the shards."""
+    paths = [root / "shards" / shard_name(i) for i in range(num_shards)]
+    missing = [p.name for p in paths if not p.is_dir()]
+    if missing:
+        raise RuntimeError(
+            f"{root}: {', '.join(missing)} missing; with world_size > 1 every rank must run "
+            "generate_teacher_data, and concurrent ranks must pass barrier="
+        )
+    ds = datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in paths])
+    ds.save_to_disk(str(root))
+    lengths = pc.list_value_length(ds.data.column("input_ids"))
+    tokens = pc.sum(lengths).as_py() - pc.sum(ds.data.column("prompt_len")).as_py()
+    summary = {"prompts": num_prompts, "samples": num_samples, "rows": len(ds), "response_tokens": tokens}
+    (root / COMPLETE).write_text(json.dumps(summary))
+    shutil.rmtree(root / "shards", ignore_errors=True)
+    return summary
+
+
+def _summary(summary: dict, root: Path) -> str:
+    return (
+        f"{summary['prompts']} prompts x {summary['samples']} samples = {summary['rows']} sequences, "
+        f"{summary['response_tokens']} response tokens -> {root}"
+    )
+
+
+def _cache_k(cfg: DataConfig) -> int | None:
+    return cfg.teacher_cache_top_k if cfg.teacher_cache else None
+
+
+@contextlib.contextmanager
+def _datasets_bars_off() -> Iterator[None]:
+    """datasets draws a bar for every shard it saves, which would bury the generation bar."""
+    if datasets.utils.are_progress_bars_disabled():
+        yield
+        return
+    datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.utils.enable_progress_bars()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Self-instruct: the teacher writes the prompts (once; every rank and every resumed run reads the same file)
+
+
+def _self_instruct_records(
+    teacher,
+    tokenizer,
+    *,
+    cfg: DataConfig,
+    out_dir: Path,
+    teacher_id: str,
+    seed: int,
+    stop_ids: list[int],
+    rank: int,
+    barrier: Callable[[], None] | None,
+) -> list[PromptRecord]:
+    settings = [cfg.self_instruct_count, cfg.max_new_tokens, cfg.batch_size]  # these decide the written prompts
+    key = hashlib.sha256(json.dumps([FORMAT_VERSION, teacher_id, seed, settings]).encode())
+    path = out_dir / f"{SELF_INSTRUCT}-{key.hexdigest()[:12]}.jsonl"
+    if not path.is_file() and rank == 0:
+        generator = torch.Generator(device=teacher.device).manual_seed(seed)
+
+        def generate_fn(chats: list[list[dict]]) -> list[str]:
+            prompts = [render_chat(tokenizer, chat) for chat in chats]
+            result = generate(
+                teacher,
+                None,
+                prompts,
+                sampling=SELF_INSTRUCT_SAMPLING,
+                generator=generator,
+                max_new_tokens=cfg.max_new_tokens,
+                stop_token_ids=stop_ids,
+            )
+            return [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+
+        records = self_instruct_prompts(generate_fn, cfg.self_instruct_count, seed, batch_size=cfg.batch_size)
+        tmp = path.with_name(f".tmp-{path.name}")
+        save_prompts(records, tmp)
+        os.replace(tmp, path)
+        print(f"{SELF_INSTRUCT}: the teacher wrote {len(records)} prompts -> {path}")
+    if barrier is not None:
+        barrier()
+    if not path.is_file():
+        raise RuntimeError(
+            f"{path} is missing: rank 0 writes the self_instruct prompts; concurrent ranks must pass barrier="
+        )
+    return load_prompts(path)
