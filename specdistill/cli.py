@@ -15,9 +15,23 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 EXAMPLES = {
     "config": "example: specdistill config show configs/quickstart.yaml train.max_steps=20 distill.objective=tv",
+    "bench": "example: specdistill bench --target embedded:smollm2-135m-instruct --draft runs/quickstart/export/"
+             "trunc4-fkl --prompts builtin:eval --num-prompts 8 --num-draft-tokens 4 --json bench.json",
+    "data": "example: specdistill data configs/quickstart.yaml data.max_prompts=50\n"
+            "         torchrun --nproc_per_node 2 -m specdistill data configs/smoke.yaml",
+    "distill": "example: specdistill distill configs/quickstart.yaml train.max_steps=100\n"
+               "         accelerate launch --config_file configs/accelerate/ddp.yaml -m specdistill distill CONFIG\n"
+               "         torchrun --nproc_per_node 2 -m specdistill distill configs/smoke.yaml   (CPU, gloo)",
+    "eval": "example: specdistill eval configs/quickstart.yaml\n"
+            "         specdistill eval --target embedded:smollm2-135m-instruct --drafts runs/quickstart/candidates/"
+            "trunc4-fkl --prompts spec_bench.jsonl --out runs/my-eval eval.num_draft_tokens=[2,4]",
+    "promote": "example: specdistill promote runs/quickstart/eval/report.json --dry-run",
+    "export": "example: specdistill export runs/quickstart/candidates/trunc4-fkl/best runs/quickstart/export/x",
+    "run": "example: specdistill run configs/quickstart.yaml      (data -> distill -> eval -> promote -> export)",
     "generate": 'example: specdistill generate --target embedded:smollm2-135m-instruct --max-new-tokens 64 '
                 '"Explain speculative decoding in one sentence."',
 }
@@ -43,13 +57,58 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--docs", action="store_true", help="list every key with its documentation instead")
 
     gen = sub.add_parser("generate", help="decode one prompt with the target (and a draft, if given)",
-                         epilog=EXAMPLES["generate"])
+                         epilog=EXAMPLES["generate"], formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     gen.add_argument("prompt", help="the user message")
+
+    bench = sub.add_parser("bench", help="target-only vs speculative (ours) vs HF assisted generation, one run",
+                           epilog=EXAMPLES["bench"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_args(bench)
+    bench.add_argument("--prompts", default="builtin:eval", help="prompt file or builtin:eval")
+    bench.add_argument("--num-prompts", type=int, default=8)
+    bench.add_argument("--num-draft-tokens", type=int, default=4)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", default=None, help="also write the results as JSON here")
+
+    for name, text in (("data", "generate the teacher's distillation data (resumable)"),
+                       ("distill", "distill every candidate draft (runs `data` first; resumable)"),
+                       ("run", "data -> distill -> eval -> promote -> export, skipping finished stages")):
+        stage = sub.add_parser(name, help=text, epilog=EXAMPLES[name],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        stage.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
+        stage.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+        if name == "run":
+            stage.add_argument("--force", action="store_true", help="replace a serving config that is not valid YAML")
+
+    ev = sub.add_parser("eval", help="measure acceptance and speedup of candidate drafts against target-only",
+                        epilog=EXAMPLES["eval"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("config", nargs="?", default=None, help="YAML config (its candidates are evaluated)")
+    ev.add_argument("overrides", nargs="*", help="dotted key=value overrides (eval.*, serving.*, target.*)")
+    ev.add_argument("--target", default=None, help="target model spec (overrides target.model)")
+    ev.add_argument("--drafts", nargs="+", default=None,
+                    help="draft folders, checkpoint folders or distillation run directories")
+    ev.add_argument("--prompts", default=None, help="eval prompt file (prompt / messages / Spec-Bench turns)")
+    ev.add_argument("--out", default=None, help="output folder (default <output_dir>/eval)")
+
+    pr = sub.add_parser("promote", help="write the report's recommendation into the serving config",
+                        epilog=EXAMPLES["promote"])
+    pr.add_argument("report", help="report.json written by `specdistill eval`")
+    pr.add_argument("--serving", default=None, help="serving config to write (default: the run's serving.path)")
+    pr.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
+    pr.add_argument("--force", action="store_true", help="replace a serving config that is not valid YAML")
+
+    ex = sub.add_parser("export", help="write a checkpoint as a standalone HF draft folder with a model card",
+                        epilog=EXAMPLES["export"])
+    ex.add_argument("checkpoint", help="best/ or checkpoints/step-N folder (LoRA adapters are merged)")
+    ex.add_argument("out_dir")
+    ex.add_argument("--report", default=None, help="eval report.json whose numbers go into the model card")
     return p
 
 
@@ -111,12 +170,142 @@ def cmd_generate(args: argparse.Namespace) -> None:
                       max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids(tokenizer), generator=generator)
     wall = time.perf_counter() - start
     print(tokenizer.decode(result.tokens[0], skip_special_tokens=True))
-    stats = result.summary()
+    stats = result.stats.aggregate()
     parts = [f"new_tokens={stats['new_tokens']}", f"tokens_per_s={stats['new_tokens'] / wall:.1f}"]
     if draft is not None:
         parts = [f"acceptance_rate={stats['acceptance_rate']:.3f}",
                  f"mean_accepted_length={stats['mean_accepted_length']:.2f}"] + parts
     print("[" + " ".join(parts) + "]", file=sys.stderr)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import json
+
+    import torch
+
+    from distill.prompts import load_prompts, render_chat
+    from specdec_runtime.bench import format_bench_table, run_bench
+    from specdec_runtime.loading import check_vocab_compatible, load_model
+
+    if not args.draft:
+        raise UserError("bench needs --draft (the target-only and HF-assisted runs are measured against it)")
+    target, tokenizer = load_model(args.target, dtype=args.dtype, device=args.device,
+                                   trust_remote_code=args.trust_remote_code)
+    draft, draft_tokenizer = load_model(args.draft, dtype=args.dtype, device=args.device,
+                                        trust_remote_code=args.trust_remote_code)
+    check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
+    records = load_prompts(args.prompts, limit=args.num_prompts)
+    prompts = [render_chat(tokenizer, r.messages) for r in records]
+    torch.manual_seed(args.seed)
+    result = run_bench(target, draft, tokenizer, prompts, num_draft_tokens=args.num_draft_tokens,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
+                       seed=args.seed)
+    result.update(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(prompts))
+    print(format_bench_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def _stage_config(args: argparse.Namespace):
+    from specdistill.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def cmd_data(args: argparse.Namespace) -> None:
+    from specdistill.pipeline import dist_state, print0, stage_data
+
+    cfg = _stage_config(args)
+    dist = dist_state(cfg.target.device)
+    data = stage_data(cfg, dist)
+    print0(dist, f"teacher data: train {data.train}, held-out {data.eval}")
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    from specdistill.config import save_resolved
+    from specdistill.pipeline import dist_state, print0, stage_data, stage_distill
+
+    cfg = _stage_config(args)
+    dist = dist_state(cfg.target.device)
+    if dist.is_main:
+        save_resolved(cfg, Path(cfg.output_dir) / "config.yaml")
+    dirs = stage_distill(cfg, dist, stage_data(cfg, dist))
+    for name, path in dirs.items():
+        print0(dist, f"candidate {name}: {path}")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from eval.sweep import resolve_candidates
+    from specdistill.config import load_config
+    from specdistill.pipeline import config_candidates, dist_state, print0, stage_eval
+
+    overrides = list(args.overrides)
+    if args.target:
+        overrides.append(f"target.model={args.target}")
+    if args.prompts:
+        overrides.append(f"eval.prompts={args.prompts}")
+    if args.config is None and not (args.target and args.drafts):
+        raise UserError("eval needs a CONFIG, or --target and --drafts (and usually --prompts and --out)")
+    cfg = load_config(args.config, overrides)
+    candidates = resolve_candidates(args.drafts) if args.drafts else config_candidates(cfg)
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval"
+    dist = dist_state(cfg.target.device)
+    report = stage_eval(cfg, dist, candidates, out_dir=out)
+    print0(dist, f"report: {report} (+ report.md, report.html)")
+
+
+def cmd_promote(args: argparse.Namespace) -> None:
+    from eval.promote import promote
+
+    report_path = Path(args.report)
+    if not report_path.is_file():
+        raise UserError(f"report not found: {report_path} (written by `specdistill eval` as <out>/report.json)")
+    serving = Path(args.serving) if args.serving else _default_serving(report_path)
+    print(promote(report_path, serving, dry_run=args.dry_run, force=args.force))
+
+
+def _default_serving(report_path: Path) -> Path:
+    """The run's serving.path: <output_dir>/config.yaml next to <output_dir>/eval/report.json says where."""
+    import yaml
+
+    run_config = report_path.resolve().parent.parent / "config.yaml"
+    if run_config.is_file():
+        path = (yaml.safe_load(run_config.read_text()) or {}).get("serving", {}).get("path")
+        if path:
+            return Path(path)
+        return run_config.parent / "serving.yaml"
+    raise UserError(f"no run config next to {report_path} to find the serving config; pass --serving PATH")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    import json
+
+    from eval.export import export_draft
+
+    report = json.loads(Path(args.report).read_text()) if args.report else None
+    print(f"exported: {export_draft(Path(args.checkpoint), Path(args.out_dir), report=report)}")
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from specdistill.pipeline import run_all
+
+    result = run_all(_stage_config(args), force=args.force)
+    if "recommendation" not in result:
+        return  # not rank 0
+    rec = result["recommendation"]
+    lines = ["", "== specdistill run: done in {:.1f} min ==".format(result["wall_s"] / 60),
+             f"report:         {result['report']} (+ report.md, {result['html']})",
+             f"exported draft: {result['exported']}",
+             f"serving config: {result['serving']}  ({result['summary']})"]
+    if rec["enabled"]:
+        m = rec["measured"]
+        lines.append(f"promoted:       {rec['name']} at num_draft_tokens={rec['num_draft_tokens']}: acceptance_rate "
+                     f"{m['acceptance_rate']:.2f}, mean_accepted_length {m['mean_accepted_length']:.2f}, speedup "
+                     f"{m['speedup']:.2f}x")
+    else:
+        lines.append(f"not enabled:    {rec['reason']}")
+    print("\n".join(lines))
 
 
 def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
@@ -132,7 +321,8 @@ def stop_ids(tokenizer) -> tuple[int, ...]:
     return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
 
 
-COMMANDS = {"config": cmd_config, "generate": cmd_generate}
+COMMANDS = {"config": cmd_config, "generate": cmd_generate, "bench": cmd_bench, "data": cmd_data,
+            "distill": cmd_distill, "eval": cmd_eval, "promote": cmd_promote, "export": cmd_export, "run": cmd_run}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         COMMANDS[args.command](args)
-    except (UserError, ValueError, FileNotFoundError) as e:
+    except (UserError, ValueError, FileNotFoundError, ConnectionError) as e:
         if os.environ.get("SPECDISTILL_DEBUG"):
             raise
         print(f"specdistill: error: {e}", file=sys.stderr)

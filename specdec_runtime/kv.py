@@ -1,0 +1,79 @@
+"""KV-cache state of one model over a ragged batch: feed new tokens, roll back rejected ones.
+
+The engine talks to a model only through a state object with two methods:
+  extend(tokens (B, T), counts (B,), last_only) -> logits (B, T or 1, V): row b's real tokens are its last
+      counts[b] columns (holes on the left), at the positions that follow the row's cached tokens;
+  rollback(drop (B,)): forget each row's last drop[b] real tokens.
+`HFState` serves any HF causal LM (or anything with the same forward keywords, `config.vocab_size`,
+`config.max_position_embeddings` and `device`); `llama.StaticState` serves the compact model's per-row static cache.
+"""
+
+import torch
+from transformers import DynamicCache
+
+from .llama import Llama, StaticState
+
+
+def hf_forward(
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int = 0,
+) -> torch.Tensor:
+    """Run `model` over new tokens (B, T) at explicit positions (B, T) against `cache` -> fp32 logits (B, T', V).
+
+    attention_mask is 2D (B, S + T) over cache columns then new columns, or 4D (B, 1, T, S + T) for patterns a 2D
+    mask cannot express (token trees: each node sees the prefix and its ancestors). The cache grows by T columns.
+    """
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+    )
+    return out.logits.float()
+
+
+def hole_layout(counts: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of `width` new columns are real (right-aligned, holes left) and their positions -> (B, T) bool, (B, T)."""
+    valid = torch.arange(width, device=counts.device) >= (width - counts)[:, None]  # (B, T)
+    positions = (lengths[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)  # holes reuse a harmless position
+    return valid, positions
+
+
+class HFState:
+    """Dynamic cache shared by all rows column-wise; holes (padding, rejected drafts) are masked out per row."""
+
+    def __init__(self, model: torch.nn.Module, batch_size: int):
+        self.model = model
+        self.cache = DynamicCache()  # no config: plain full-attention layers, croppable at any length
+        self.mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=model.device)  # (B, S) real columns
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=model.device)  # (B,) real tokens = next pos
+
+    def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        valid, positions = hole_layout(counts, self.lengths, tokens.shape[1])
+        self.mask = torch.cat([self.mask, valid], 1)  # (B, S + T)
+        self.lengths = self.lengths + counts
+        return hf_forward(self.model, self.cache, tokens, positions, self.mask.long(), int(last_only))
+
+    def rollback(self, drop: torch.Tensor) -> None:
+        real_after = self.mask.flip(1).long().cumsum(1).flip(1)  # (B, S): real tokens at or after each column
+        self.mask = self.mask & (real_after > drop[:, None])
+        self.lengths = self.lengths - drop
+        # Crop only the columns that are holes in every row; holes inside the kept span stay masked.
+        used = self.mask.any(0)  # (S,)
+        trailing = int(used.flip(0).long().argmax()) if bool(used.any()) else used.shape[0]
+        if trailing:
+            self.cache.crop(-trailing)  # negative: number of columns to remove
+            self.mask = self.mask[:, : self.mask.shape[1] - trailing]
+
+
+def make_state(model: torch.nn.Module, batch_size: int, max_len: int) -> "HFState | StaticState":
+    """Cache state for a model: the compact model's static per-row cache, else a dynamic HF cache."""
+    if isinstance(model, Llama):
+        return StaticState(model, batch_size, max_len)
+    return HFState(model, batch_size)

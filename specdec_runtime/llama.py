@@ -1,0 +1,259 @@
+"""Compact Llama-family decoder with a static per-row KV cache: the runtime's fast path (gpt-fast style).
+
+`Llama.from_hf(hf_model)` takes the weights of an HF `LlamaForCausalLM` (RoPE incl. linear / llama3 scaling, GQA,
+RMSNorm, SwiGLU, tied embeddings). Each row writes its keys and values at its own positions, so rolling back rejected
+draft tokens is just lowering the row's length: stale slots past it are overwritten before any query can see them.
+On CUDA the fixed-shape decode and verify steps replay as CUDA graphs; prefill runs eagerly.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """Shape of a Llama-family decoder, read from an HF LlamaConfig."""
+
+    vocab_size: int
+    """Rows of the embedding and of the output head."""
+    dim: int
+    """Hidden size."""
+    n_layers: int
+    """Decoder blocks."""
+    n_heads: int
+    """Query heads."""
+    n_kv_heads: int
+    """Key/value heads (GQA when fewer than n_heads)."""
+    head_dim: int
+    """Channels per head."""
+    intermediate_size: int
+    """SwiGLU hidden size."""
+    norm_eps: float
+    """RMSNorm epsilon."""
+    attention_bias: bool
+    """Bias on the q/k/v/o projections."""
+    mlp_bias: bool
+    """Bias on the gate/up/down projections."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, cast back before the weight: bit-for-bit the HF order of operations
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.attention_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.attention_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.attention_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.attention_bias)
+        self.k_cache: torch.Tensor | None = None  # (B, S, Hkv, D)
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos, sin: (B, T, 1, D)
+        rows = torch.arange(B, device=x.device)[:, None]
+        self.k_cache[rows, slots] = k  # per-row slots (B, T)
+        self.v_cache[rows, slots] = v
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), self._heads(self.k_cache), self._heads(self.v_cache), attn_mask=mask
+        )  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def _heads(self, cache: torch.Tensor) -> torch.Tensor:
+        """(B, S, Hkv, D) cache -> (B, H, S, D), each kv head shared by its query group (expand: no host sync)."""
+        B, S, Hkv, D = cache.shape
+        groups = self.n_heads // Hkv
+        return cache[:, :, :, None].expand(B, S, Hkv, groups, D).reshape(B, S, Hkv * groups, D).transpose(1, 2)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """Llama decoder whose forward takes explicit rope positions, cache write slots and a (B, 1, T, S) mask."""
+
+    def __init__(self, args: LlamaArgs, inv_freq: torch.Tensor, attention_scaling: float, config):
+        super().__init__()
+        self.args = args
+        self.config = config  # the HF config it came from: vocab_size, max_position_embeddings, eos ids
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # (D/2,)
+        self.attention_scaling = attention_scaling
+        self.cache_shape: tuple[int, int] | None = None  # (B, S) of the allocated static cache
+        self.graphs: dict[int, tuple] = {}  # T -> (graph, static inputs, static logits), valid for cache_shape
+        self.graph_pool = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None) -> "Llama":
+        """Copy the weights of an HF LlamaForCausalLM (same device; `dtype` defaults to the model's)."""
+        cfg = hf_model.config
+        if cfg.model_type != "llama" or cfg.hidden_act != "silu":
+            raise ValueError(
+                f"the compact model covers Llama (silu) checkpoints, got model_type={cfg.model_type!r} "
+                f"hidden_act={cfg.hidden_act!r}; run this model through the generic HF path instead"
+            )
+        rotary = hf_model.model.rotary_emb
+        if rotary.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"rope_type {rotary.rope_type!r} changes with sequence length and is not in the compact model; "
+                "run this model through the generic HF path instead"
+            )
+        args = LlamaArgs(
+            vocab_size=cfg.vocab_size,
+            dim=cfg.hidden_size,
+            n_layers=cfg.num_hidden_layers,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate_size,
+            norm_eps=cfg.rms_norm_eps,
+            attention_bias=cfg.attention_bias,
+            mlp_bias=cfg.mlp_bias,
+        )
+        with torch.device("meta"):
+            model = cls(args, rotary.inv_freq, rotary.attention_scaling, cfg)
+        state = {name.removeprefix("model."): w for name, w in hf_model.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        model.load_state_dict(state, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model = model.to(dtype=dtype or hf_model.dtype).eval()
+        # fp32 frequencies whatever the weights' dtype (`.to` above would have cast the buffer), as HF does
+        model.register_buffer("inv_freq", rotary.inv_freq.float().to(model.device), persistent=False)
+        return model
+
+    def setup_cache(self, batch_size: int, max_len: int) -> int:
+        """Allocate (or keep, when large enough) the static cache; returns its length S, trash slot included."""
+        if self.cache_shape is not None and self.cache_shape[0] == batch_size and self.cache_shape[1] > max_len:
+            return self.cache_shape[1]
+        S = -(-(max_len + 1) // 16) * 16  # +1 trash slot; rounded so later calls with similar lengths reuse it
+        shape = (batch_size, S, self.args.n_kv_heads, self.args.head_dim)
+        dtype = self.lm_head.weight.dtype
+        for layer in self.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.cache_shape, self.graphs = (batch_size, S), {}
+        return S
+
+    def forward(self, tokens, input_pos, slots, mask, last_only: bool = False) -> torch.Tensor:
+        """tokens, input_pos (rope positions), slots (cache writes): (B, T); mask: (B, 1, T, S) -> logits (B, T, V).
+
+        Positions and slots are separate so a token tree can give siblings one position but their own slots.
+        """
+        x = self.embed_tokens(tokens)  # (B, T, D)
+        freqs = input_pos[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat([freqs, freqs], -1)[:, :, None]  # (B, T, 1, D)
+        cos = (emb.cos() * self.attention_scaling).to(x.dtype)
+        sin = (emb.sin() * self.attention_scaling).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, slots, mask)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+    def step(self, tokens, input_pos, slots, mask) -> torch.Tensor:
+        """Forward for a fixed-shape decode/verify step, replayed as a CUDA graph on CUDA."""
+        if self.device.type != "cuda":
+            return self(tokens, input_pos, slots, mask)
+        T = tokens.shape[1]
+        if T not in self.graphs:
+            self.graphs[T] = self._capture(tokens, input_pos, slots, mask)
+        graph, inputs, logits = self.graphs[T]
+        for buffer, value in zip(inputs, (tokens, input_pos, slots, mask)):
+            buffer.copy_(value)
+        graph.replay()
+        return logits
+
+    def _capture(self, tokens, input_pos, slots, mask) -> tuple:
+        S = self.cache_shape[1]
+        # Warm-up and capture write only into the trash slot, so the live cache is untouched until the real replay.
+        inputs = (tokens.clone(), input_pos.clone(), torch.full_like(slots, S - 1), torch.ones_like(mask))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            logits = self(*inputs)
+        return graph, inputs, logits
+
+
+class StaticState:
+    """Per-row static cache: row b's token at position i lives in slot i; holes write to the last (trash) slot."""
+
+    def __init__(self, model: Llama, batch_size: int, max_len: int):
+        self.model = model
+        self.S = model.setup_cache(batch_size, max_len)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=model.device)  # (B,) real tokens = next pos
+
+    def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        T = tokens.shape[1]
+        valid = torch.arange(T, device=tokens.device) >= (T - counts)[:, None]  # (B, T), holes on the left
+        positions = (self.lengths[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)  # (B, T)
+        slots = torch.where(valid, positions, self.S - 1)
+        cols = torch.arange(self.S, device=tokens.device)
+        # A real token sees slots up to its own position (all written by now); a hole sees only the trash slot.
+        mask = torch.where(valid[..., None], cols <= positions[..., None], cols == self.S - 1)[:, None]
+        self.lengths = self.lengths + counts
+        if last_only and T > 2:  # prefill: eager, variable length
+            return self.model(tokens, positions, slots, mask, last_only=True).float()
+        logits = self.model.step(tokens, positions, slots, mask)  # on CUDA: the graph's buffer, reused next replay
+        return (logits[:, -1:] if last_only else logits).to(torch.float32, copy=True)
+
+    def rollback(self, drop: torch.Tensor) -> None:
+        self.lengths = self.lengths - drop

@@ -1,0 +1,202 @@
+"""The stages the CLI runs, composed from each folder's own entry points, plus `run`: all of them in order.
+
+    data -> distill -> eval -> export -> promote -> report
+
+Each stage skips work whose outputs are already complete (teacher data by fingerprint, candidates by their DONE
+marker, eval by a report made with the same config), so rerunning `specdistill run` after a crash continues where
+it stopped. Multi-process launches (torchrun / accelerate launch) split data generation, distillation and eval;
+single-process stages (export, promote) run on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdistill.config import RootConfig, candidate_config, candidate_names, dump_yaml, save_resolved
+
+
+@dataclass
+class Dist:
+    """This process's place in a multi-process launch (one process: rank 0 of 1)."""
+
+    rank: int
+    world_size: int
+    device: str
+    state: object  # accelerate.PartialState
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        self.state.wait_for_everyone()
+
+    def gather(self, obj) -> list:
+        from accelerate.utils import gather_object
+
+        return gather_object([obj])
+
+
+def dist_state(device: str = "auto") -> Dist:
+    """The launch this process is part of; CPU launches use gloo (accelerate picks it)."""
+    import torch
+    from accelerate import PartialState
+
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    state = PartialState(cpu=cpu)
+    dev = "cpu" if cpu else (str(state.device) if device == "auto" else device)
+    return Dist(rank=state.process_index, world_size=state.num_processes, device=dev, state=state)
+
+
+def print0(dist: Dist, *args) -> None:
+    if dist.is_main:
+        print(*args, flush=True)
+
+
+def load_target(cfg: RootConfig, dist: Dist):
+    from specdec_runtime.loading import load_model, model_identity
+
+    model, tokenizer = load_model(cfg.target.model, dtype=cfg.target.dtype, device=dist.device,
+                                  trust_remote_code=cfg.target.trust_remote_code,
+                                  allow_pickle=cfg.target.allow_pickle)
+    return model, tokenizer, model_identity(cfg.target.model)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stages
+
+
+def stage_data(cfg: RootConfig, dist: Dist, target=None):
+    """Teacher responses (and the optional top-k cache) for the train and held-out prompts."""
+    from distill.data import generate_teacher_data
+
+    teacher, tokenizer, teacher_id = target or load_target(cfg, dist)
+    return generate_teacher_data(teacher, tokenizer, cfg.data, Path(cfg.output_dir) / "data", teacher_id=teacher_id,
+                                 seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, barrier=dist.barrier)
+
+
+def stage_distill(cfg: RootConfig, dist: Dist, teacher_data) -> dict[str, Path]:
+    from train.loop import run_distill
+
+    return run_distill(cfg, teacher_data)
+
+
+def eval_prompts(source: str, tokenizer, limit: int):
+    from distill.prompts import load_prompts, render_chat
+    from eval.sweep import EvalPrompt
+
+    records = load_prompts(source, limit=limit or None)
+    if not records:
+        raise ValueError(f"the eval prompt set {source!r} is empty; pass a prompt file with at least one prompt")
+    return [EvalPrompt(id=r.id, category=r.category, ids=render_chat(tokenizer, r.messages)) for r in records]
+
+
+def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target=None, tracker=None) -> Path:
+    """Sweep every candidate against target-only decoding; write report.json/md/html; returns report.json."""
+    from eval.report import write_reports
+    from eval.sweep import evaluate, recommend, save_report
+
+    target_model, tokenizer, _ = target or load_target(cfg, dist)
+    prompts = eval_prompts(cfg.eval.prompts, tokenizer, cfg.eval.max_prompts)
+    report = evaluate(target_model, tokenizer, candidates, prompts, cfg.eval, target_spec=cfg.target.model,
+                      seed=cfg.seed, device=dist.device, dtype=cfg.target.dtype, rank=dist.rank,
+                      world_size=dist.world_size, gather=dist.gather)
+    path = out_dir / "report.json"
+    if dist.is_main:
+        report["recommendation"] = recommend(report, temperature=cfg.serving.temperature,
+                                             draft_rule=cfg.serving.draft_rule,
+                                             min_acceptance=cfg.serving.min_acceptance)
+        report["eval_config"] = json.loads(json.dumps(cfg.eval.__dict__))
+        save_report(report, out_dir)
+        write_reports(report, out_dir, tracker=tracker)
+    dist.barrier()
+    return path
+
+
+def serving_path(cfg: RootConfig) -> Path:
+    return Path(cfg.serving.path) if cfg.serving.path else Path(cfg.output_dir) / "serving.yaml"
+
+
+def stage_export_and_promote(cfg: RootConfig, report_path: Path, *, force: bool = False) -> tuple[Path | None, str]:
+    """Export the recommended draft to <output_dir>/export/<name>, then promote it into the serving config."""
+    from eval.export import export_draft
+    from eval.promote import promote
+
+    report = json.loads(report_path.read_text())
+    rec = report["recommendation"]
+    exported = None
+    if rec.get("draft"):
+        exported = Path(cfg.output_dir) / "export" / rec["name"]
+        run_dir = next((c["run_dir"] for c in report["candidates"] if c["name"] == rec["name"]), None)
+        config_text = (Path(run_dir) / "config.yaml").read_text() if run_dir and (Path(run_dir) / "config.yaml")\
+            .is_file() else dump_yaml(cfg)
+        export_draft(Path(rec["draft"]), exported, report=report, training_config=config_text)
+    summary = promote(report_path, serving_path(cfg), force=force, expected_target=cfg.target.model,
+                      export_dir=exported)
+    return exported, summary
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# run: every stage
+
+
+def candidate_dirs(cfg: RootConfig) -> list[Path]:
+    return [Path(cfg.output_dir) / "candidates" / name for name in candidate_names(cfg)]
+
+
+def config_candidates(cfg: RootConfig):
+    from eval.sweep import Candidate
+
+    out = []
+    for run_dir in candidate_dirs(cfg):
+        if not (run_dir / "best").is_dir():
+            raise ValueError(f"candidate {run_dir.name} has no best/ checkpoint in {run_dir}; run "
+                             f"`specdistill distill` first")
+        out.append(Candidate(name=run_dir.name, path=run_dir / "best", run_dir=run_dir))
+    return out
+
+
+def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
+    """A finished report made with the same eval settings and candidates (so `run` can skip the sweep)."""
+    if not report_path.is_file():
+        return False
+    report = json.loads(report_path.read_text())
+    newest_best = max(((d / "best").stat().st_mtime for d in candidate_dirs(cfg) if (d / "best").exists()),
+                      default=0.0)
+    return (report.get("eval_config") == json.loads(json.dumps(cfg.eval.__dict__))
+            and "recommendation" in report and report_path.stat().st_mtime >= newest_best
+            and sorted(c["name"] for c in report["candidates"]) == sorted(candidate_names(cfg)))
+
+
+def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
+    """data -> distill -> eval -> export -> promote -> report, skipping what is complete."""
+    start = time.time()
+    dist = dist_state(cfg.target.device)
+    out = Path(cfg.output_dir)
+    if dist.is_main:
+        save_resolved(cfg, out / "config.yaml")
+        for name in candidate_names(cfg) if cfg.candidates else []:
+            candidate_config(cfg, name)  # every candidate's overrides validated before hours of work
+    target = load_target(cfg, dist)
+    print0(dist, f"[1/5] data -> {out / 'data'}")
+    teacher_data = stage_data(cfg, dist, target)
+    print0(dist, f"[2/5] distill {len(candidate_names(cfg))} candidate(s) -> {out / 'candidates'}")
+    stage_distill(cfg, dist, teacher_data)
+    report_path = out / "eval" / "report.json"
+    if eval_is_current(cfg, report_path):
+        print0(dist, f"[3/5] eval: up to date ({report_path})")
+    else:
+        print0(dist, f"[3/5] eval -> {out / 'eval'}")
+        stage_eval(cfg, dist, config_candidates(cfg), out_dir=out / "eval", target=target)
+    result = {"report": report_path, "html": out / "eval" / "report.html", "serving": serving_path(cfg)}
+    if dist.is_main:
+        print0(dist, "[4/5] export + [5/5] promote")
+        exported, summary = stage_export_and_promote(cfg, report_path, force=force)
+        report = json.loads(report_path.read_text())
+        result.update(exported=exported, summary=summary, recommendation=report["recommendation"],
+                      wall_s=time.time() - start)
+    dist.barrier()
+    return result
