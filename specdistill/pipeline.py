@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill.config import RootConfig, candidate_config, candidate_names, dump_yaml, save_resolved
+from specdistill.config import RootConfig, candidate_config, candidate_names, save_resolved
 
 
 @dataclass
@@ -120,22 +120,21 @@ def serving_path(cfg: RootConfig) -> Path:
     return Path(cfg.serving.path) if cfg.serving.path else Path(cfg.output_dir) / "serving.yaml"
 
 
-def stage_export_and_promote(cfg: RootConfig, report_path: Path, *, force: bool = False) -> tuple[Path | None, str]:
-    """Export the recommended draft to <output_dir>/export/<name>, then promote it into the serving config."""
-    from eval.export import export_draft
-    from eval.promote import promote
+def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: bool = False) -> tuple[Path | None, str]:
+    """Export the recommended draft to <output_dir>/export/<name> and promote it into the serving config.
 
-    report = json.loads(report_path.read_text())
-    rec = report["recommendation"]
-    exported = None
-    if rec.get("draft"):
-        exported = Path(cfg.output_dir) / "export" / rec["name"]
-        run_dir = next((c["run_dir"] for c in report["candidates"] if c["name"] == rec["name"]), None)
-        config_text = (Path(run_dir) / "config.yaml").read_text() if run_dir and (Path(run_dir) / "config.yaml")\
-            .is_file() else dump_yaml(cfg)
-        export_draft(Path(rec["draft"]), exported, report=report, training_config=config_text)
+    Refuses a report made for another target (spec and fingerprint) and a draft whose tokenizer differs."""
+    from eval.promote import promote
+    from eval.sweep import target_fingerprint
+    from specdec_runtime.loading import load_tokenizer
+
+    target_model, tokenizer, _ = target or load_target(cfg, dist_state(cfg.target.device))
+    rec = json.loads(report_path.read_text()).get("recommendation") or {}
+    exported = Path(cfg.output_dir) / "export" / rec["name"] if rec.get("enabled") else None
+    draft_tokenizer = load_tokenizer(rec["draft"]) if exported else None
     summary = promote(report_path, serving_path(cfg), force=force, expected_target=cfg.target.model,
-                      export_dir=exported)
+                      expected_fingerprint=target_fingerprint(target_model, tokenizer), target_tokenizer=tokenizer,
+                      draft_tokenizer=draft_tokenizer, export_dir=exported)
     return exported, summary
 
 
@@ -194,7 +193,7 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     result = {"report": report_path, "html": out / "eval" / "report.html", "serving": serving_path(cfg)}
     if dist.is_main:
         print0(dist, "[4/5] export + [5/5] promote")
-        exported, summary = stage_export_and_promote(cfg, report_path, force=force)
+        exported, summary = stage_promote(cfg, report_path, target=target, force=force)
         report = json.loads(report_path.read_text())
         result.update(exported=exported, summary=summary, recommendation=report["recommendation"],
                       wall_s=time.time() - start)

@@ -1,0 +1,472 @@
+"""Render an eval report (the `report.json` of eval/sweep.py) as report.md and a self-contained report.html.
+
+    paths = write_reports(json.loads(Path("runs/quickstart/eval/report.json").read_text()),
+                          Path("runs/quickstart/eval"), tracker=tracker)
+
+The HTML has no external resources: inline CSS, every plot a PNG embedded as a base64 `data:` URI, so it can be
+mailed, attached to a W&B run or opened offline. The same plots are also written to `<out_dir>/plots/*.png`, which
+report.md links to. Plots are drawn with matplotlib's Agg canvas on `Figure` objects (no pyplot global state).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+SETTING_COLUMNS = [
+    "candidate",
+    "num_draft_tokens",
+    "temperature",
+    "draft_rule",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "expected_acceptance",
+    "cost_ratio",
+    "verify_cost_ratio",
+    "predicted_speedup",
+    "speedup",
+    "efficiency",
+    "tokens_per_s",
+    "ttft_s",
+    "tpot_s",
+]
+TARGET_ONLY_COLUMNS = ["temperature", "tokens_per_s", "wall_s", "new_tokens", "ttft_s", "tpot_s", "peak_memory_bytes"]
+TRAINING_KEYS = (("train/loss", "val/loss"), ("val/expected_acceptance", "val/greedy_match"))
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px;
+       color: #1f2328; padding: 0 1rem; }
+h1 { font-size: 1.6rem; } h2 { margin-top: 2rem; border-bottom: 1px solid #d0d7de; padding-bottom: .3rem; }
+table { border-collapse: collapse; margin: .5rem 0 1rem; font-size: .85rem; }
+th, td { border: 1px solid #d0d7de; padding: .25rem .5rem; text-align: right; }
+th { background: #f6f8fa; } td:first-child, th:first-child { text-align: left; }
+.rec { padding: .8rem 1rem; border-radius: 6px; border: 1px solid; }
+.on { background: #dafbe1; border-color: #4ac26b; } .off { background: #fff8c5; border-color: #d4a72c; }
+figure { margin: 1rem 0; } img { max-width: 100%; border: 1px solid #d0d7de; }
+figcaption { font-size: .85rem; color: #59636e; }
+.meta { color: #59636e; font-size: .9rem; }
+"""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared file helper
+
+
+def write_json_atomic(obj, path: Path) -> Path:
+    """Write `obj` as JSON to `path` through a temp file in the same folder + fsync + rename: readers see the old
+    file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Selecting settings
+
+
+def _settings(candidate: dict, temperature: float, draft_rule: str) -> list[dict]:
+    """The candidate's settings at one (temperature, draft_rule), ordered by num_draft_tokens."""
+    rows = [s for s in candidate["settings"] if s["temperature"] == temperature and s["draft_rule"] == draft_rule]
+    return sorted(rows, key=lambda s: s["num_draft_tokens"])
+
+
+def _groups(report: dict) -> list[tuple[float, str]]:
+    """Every (temperature, draft_rule) that some candidate was measured at."""
+    return sorted({(s["temperature"], s["draft_rule"]) for c in report["candidates"] for s in c["settings"]})
+
+
+def focus_setting(report: dict) -> tuple[int, float, str] | None:
+    """(num_draft_tokens, temperature, draft_rule) that the detail plots show: the recommendation's, else the
+    largest gamma at the first measured (temperature, draft_rule)."""
+    rec = report.get("recommendation") or {}
+    if all(rec.get(k) is not None for k in ("num_draft_tokens", "temperature", "draft_rule")):
+        return rec["num_draft_tokens"], rec["temperature"], rec["draft_rule"]
+    groups = _groups(report)
+    if not groups:
+        return None
+    temperature, rule = groups[0]
+    gamma = max(s["num_draft_tokens"] for c in report["candidates"] for s in _settings(c, temperature, rule))
+    return gamma, temperature, rule
+
+
+def _num(value) -> float:
+    """None (a ratio over zero events, e.g. a draft position never reached) plots as a gap."""
+    return math.nan if value is None else float(value)
+
+
+def _column(rows: list[dict], key: str) -> list[float]:
+    return [_num(s.get(key)) for s in rows]
+
+
+def _setting_at(candidate: dict, focus: tuple[int, float, str]) -> dict | None:
+    gamma, temperature, rule = focus
+    return next((s for s in _settings(candidate, temperature, rule) if s["num_draft_tokens"] == gamma), None)
+
+
+def _target_only_at(report: dict, temperature: float) -> dict | None:
+    return next((t for t in report.get("target_only", []) if t["temperature"] == temperature), None)
+
+
+def read_metrics(run_dir: str | Path | None) -> list[dict]:
+    """Rows of `<run_dir>/metrics.jsonl`; a torn last line (a run killed mid-write) is skipped."""
+    path = Path(run_dir) / "metrics.jsonl" if run_dir else None
+    if path is None or not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in rows if isinstance(r, dict) and "step" in r]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plots: each returns a Figure, or None when the report has nothing to show for it
+
+
+def _figure(ncols: int, width: float = 4.2, height: float = 3.2) -> tuple[Figure, list]:
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+    for ax in axes:  # gammas, positions and steps are integers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig, axes
+
+
+def plot_acceptance_vs_gamma(report: dict) -> Figure | None:
+    groups = _groups(report)
+    if not groups:
+        return None
+    fig, axes = _figure(len(groups))
+    for ax, (temperature, rule) in zip(axes, groups):
+        for cand in report["candidates"]:
+            rows = _settings(cand, temperature, rule)
+            ax.plot([s["num_draft_tokens"] for s in rows], _column(rows, "acceptance_rate"), "o-", label=cand["name"])
+        ax.set(title=f"T={temperature:g}, {rule}", xlabel="num_draft_tokens", ylabel="acceptance_rate", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    return fig
+
+
+def plot_speedup_vs_gamma(report: dict) -> Figure | None:
+    groups = _groups(report)
+    if not groups:
+        return None
+    fig, axes = _figure(len(groups))
+    for ax, (temperature, rule) in zip(axes, groups):
+        for i, cand in enumerate(report["candidates"]):
+            rows = _settings(cand, temperature, rule)
+            gammas, color = [s["num_draft_tokens"] for s in rows], f"C{i}"
+            ax.plot(gammas, _column(rows, "speedup"), "o-", color=color, label=f"{cand['name']} measured")
+            ax.plot(gammas, _column(rows, "predicted_speedup"), "x--", color=color, label=f"{cand['name']} predicted")
+        ax.axhline(1.0, color="gray", lw=1, ls=":")  # target-only decoding
+        ax.set(title=f"T={temperature:g}, {rule}", xlabel="num_draft_tokens", ylabel="speedup vs target-only")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+def plot_per_position(report: dict) -> Figure | None:
+    focus = focus_setting(report)
+    if focus is None:
+        return None
+    rows = [(c["name"], _setting_at(c, focus)) for c in report["candidates"]]
+    rows = [(name, s["per_position_acceptance"]) for name, s in rows if s and s.get("per_position_acceptance")]
+    if not rows:
+        return None
+    fig, (ax,) = _figure(1, width=6)
+    for name, values in rows:
+        ax.plot(range(1, len(values) + 1), [_num(v) for v in values], "o-", label=name)
+    gamma, temperature, rule = focus
+    ax.set(
+        title=f"per-position acceptance, num_draft_tokens={gamma}, T={temperature:g}, {rule}",
+        xlabel="draft position",
+        ylabel="P(accepted | previous accepted)",
+        ylim=(0, 1.02),
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_by_category(report: dict) -> Figure | None:
+    focus = focus_setting(report)
+    if focus is None:
+        return None
+    per_cand = [(c["name"], (_setting_at(c, focus) or {}).get("by_category") or {}) for c in report["candidates"]]
+    per_cand = [(name, cats) for name, cats in per_cand if cats]
+    if not per_cand:
+        return None
+    categories = sorted({cat for _, cats in per_cand for cat in cats})
+    fig, (ax,) = _figure(1, width=max(6, 0.9 * len(categories) * len(per_cand)))
+    width = 0.8 / len(per_cand)
+    for i, (name, cats) in enumerate(per_cand):
+        xs = [j + i * width for j in range(len(categories))]
+        ax.bar(xs, [(cats.get(cat) or {}).get("acceptance_rate") or 0.0 for cat in categories], width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=30, ha="right")
+    gamma, temperature, rule = focus
+    ax.set(
+        title=f"acceptance_rate by category, num_draft_tokens={gamma}, T={temperature:g}, {rule}",
+        ylabel="acceptance_rate",
+        ylim=(0, 1.02),
+    )
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_latency(report: dict) -> Figure | None:
+    focus = focus_setting(report)
+    if focus is None:
+        return None
+    _, temperature, rule = focus
+    fig, axes = _figure(2)
+    base = _target_only_at(report, temperature) or {}
+    for ax, key in zip(axes, ("ttft_s", "tpot_s")):
+        for cand in report["candidates"]:
+            rows = [s for s in _settings(cand, temperature, rule) if s.get(key) is not None]
+            ax.plot([s["num_draft_tokens"] for s in rows], [1e3 * _num(s[key]) for s in rows], "o-", label=cand["name"])
+        if base.get(key) is not None:
+            ax.axhline(1e3 * base[key], color="gray", ls="--", lw=1, label="target-only")
+        ax.set(title=f"{key} (T={temperature:g}, {rule})", xlabel="num_draft_tokens", ylabel=f"{key[:-2]} (ms)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    return fig
+
+
+def plot_training(report: dict) -> Figure | None:
+    curves = [(c["name"], read_metrics(c.get("run_dir"))) for c in report["candidates"]]
+    curves = [(name, rows) for name, rows in curves if rows]
+    if not curves:
+        return None
+    fig, axes = _figure(len(TRAINING_KEYS))
+    for ax, keys in zip(axes, TRAINING_KEYS):
+        for i, (name, rows) in enumerate(curves):
+            for key, style in zip(keys, ("-", "--")):
+                points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+                if points:
+                    ax.plot(*zip(*points), style, color=f"C{i}", label=f"{name} {key}")
+        ax.set(xlabel="step", title=" / ".join(keys))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return fig
+
+
+PLOTS: list[tuple[str, str, Callable[[dict], Figure | None]]] = [
+    ("acceptance_vs_gamma", "Measured acceptance_rate vs num_draft_tokens", plot_acceptance_vs_gamma),
+    ("speedup_vs_gamma", "Measured (solid) and predicted (dashed) speedup vs num_draft_tokens", plot_speedup_vs_gamma),
+    ("per_position_acceptance", "Per-position acceptance at the recommended setting", plot_per_position),
+    ("acceptance_by_category", "acceptance_rate per prompt category at the recommended setting", plot_by_category),
+    ("latency", "Time to first token and time per output token (dashed: target-only)", plot_latency),
+    ("training_curves", "Distillation curves from each candidate's metrics.jsonl", plot_training),
+]
+
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tables: (title, columns, rows of display strings), shared by the Markdown and the HTML
+
+
+def _fmt(value, column: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if column == "peak_memory_bytes":
+        return f"{value / 2**20:.1f} MiB"
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
+def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    out = []
+    target_only = report.get("target_only") or []
+    out.append(
+        (
+            "Target-only baseline",
+            TARGET_ONLY_COLUMNS,
+            [[_fmt(t.get(k), k) for k in TARGET_ONLY_COLUMNS] for t in target_only],
+        )
+    )
+    cand_cols = ["candidate", "draft", "num_parameters", "expected_acceptance", "best speedup"]
+    cand_rows = []
+    for c in report["candidates"]:
+        best = max((s["speedup"] for s in c["settings"] if s.get("speedup") is not None), default=None)
+        cand_rows.append(
+            [c["name"], c["draft"], _fmt(c.get("num_parameters")), _fmt(c.get("expected_acceptance")), _fmt(best)]
+        )
+    out.append(("Candidates", cand_cols, cand_rows))
+    rows = []
+    for c in report["candidates"]:
+        for temperature, rule in _groups(report):
+            rows += [
+                [c["name"]] + [_fmt(s.get(k), k) for k in SETTING_COLUMNS[1:]] for s in _settings(c, temperature, rule)
+            ]
+    out.append(
+        ("Settings (one row per candidate x num_draft_tokens x temperature x draft_rule)", SETTING_COLUMNS, rows)
+    )
+    focus = focus_setting(report)
+    if focus:
+        by_cat = {c["name"]: (_setting_at(c, focus) or {}).get("by_category") or {} for c in report["candidates"]}
+        categories = sorted({cat for cats in by_cat.values() for cat in cats})
+        gamma, temperature, rule = focus
+        out.append(
+            (
+                f"acceptance_rate / mean_accepted_length by category (num_draft_tokens={gamma}, "
+                f"T={temperature:g}, {rule})",
+                ["category", *by_cat],
+                [[cat] + [_category_cell(by_cat[name].get(cat)) for name in by_cat] for cat in categories],
+            )
+        )
+    return out
+
+
+def _category_cell(stats: dict | None) -> str:
+    if not stats:
+        return "-"
+    return f"{_fmt(stats.get('acceptance_rate'))} / {_fmt(stats.get('mean_accepted_length'))} (n={stats.get('count')})"
+
+
+def recommendation_text(report: dict) -> str:
+    rec = report.get("recommendation")
+    if not rec:
+        return "No recommendation in this report (run `specdistill promote` after a full eval)."
+    if not rec.get("enabled"):
+        return f"Speculative decoding is not recommended: {rec.get('reason', 'no reason given')}."
+    m = rec.get("measured") or {}
+    return (
+        f"Recommended draft: {rec['name']} ({rec['draft']}) with num_draft_tokens={rec['num_draft_tokens']}, "
+        f"draft_rule={rec['draft_rule']}, temperature={rec['temperature']:g}: speedup {_fmt(m.get('speedup'))}x, "
+        f"acceptance_rate {_fmt(m.get('acceptance_rate'))}, mean_accepted_length "
+        f"{_fmt(m.get('mean_accepted_length'))}. Reason: {rec.get('reason', '-')}."
+    )
+
+
+def _meta(report: dict) -> str:
+    prompts = report.get("prompts") or {}
+    return (
+        f"target {report.get('target')} (fingerprint {report.get('target_fingerprint', '-')}), "
+        f"device {report.get('device', '-')}, {prompts.get('count', '?')} prompts from "
+        f"{prompts.get('source', '?')}, created {report.get('created_at', '-')}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Markdown and HTML
+
+
+def _md_table(columns: list[str], rows: list[list[str]]) -> str:
+    def line(cells):
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(columns), line(["---"] * len(columns)), *map(line, rows)])
+
+
+def render_markdown(report: dict, plots: dict[str, str]) -> str:
+    """report.md: `plots` maps a plot name to its caption (the PNG is at plots/<name>.png)."""
+    parts = [
+        "# Speculative decoding eval report",
+        "",
+        _meta(report),
+        "",
+        "## Recommendation",
+        "",
+        recommendation_text(report),
+        "",
+    ]
+    for title, columns, rows in tables(report):
+        parts += [f"## {title}", "", _md_table(columns, rows) if rows else "(none)", ""]
+    parts += ["## Plots", ""]
+    parts += [f"![{caption}](plots/{name}.png)\n" for name, caption in plots.items()]
+    return "\n".join(parts)
+
+
+def _html_table(columns: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html(report: dict, images: dict[str, tuple[str, bytes]]) -> str:
+    """report.html: `images` maps a plot name to (caption, PNG bytes), embedded as data: URIs."""
+    rec = report.get("recommendation") or {}
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<title>Speculative decoding eval report</title>",
+        f"<style>{CSS}</style></head><body>",
+        "<h1>Speculative decoding eval report</h1>",
+        f'<p class="meta">{html.escape(_meta(report))}</p>',
+        "<h2>Recommendation</h2>",
+        f'<p class="rec {"on" if rec.get("enabled") else "off"}">{html.escape(recommendation_text(report))}</p>',
+    ]
+    for title, columns, rows in tables(report):
+        parts += [f"<h2>{html.escape(title)}</h2>", _html_table(columns, rows) if rows else "<p>(none)</p>"]
+    parts.append("<h2>Plots</h2>")
+    for name, (caption, png) in images.items():
+        data = base64.b64encode(png).decode("ascii")
+        parts.append(
+            f'<figure id="{name}"><img src="data:image/png;base64,{data}" alt="{html.escape(caption)}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_reports(report: dict, out_dir: Path, *, tracker=None) -> dict[str, Path]:
+    """Write report.md, report.html and plots/<name>.png under `out_dir`; returns {"md", "html", <plot name>: path}.
+
+    `tracker` (duck-typed: `.log_table(name, columns, rows)`, `.log_artifact(path, name, type)`) receives the
+    settings table and the report folder as an artifact.
+    """
+    out_dir = Path(out_dir)
+    (out_dir / "plots").mkdir(parents=True, exist_ok=True)
+    images: dict[str, tuple[str, bytes]] = {}
+    paths: dict[str, Path] = {}
+    for name, caption, plot in PLOTS:
+        fig = plot(report)
+        if fig is None:
+            continue
+        images[name] = (caption, _png(fig))
+        paths[name] = out_dir / "plots" / f"{name}.png"
+        paths[name].write_bytes(images[name][1])
+    paths["md"] = out_dir / "report.md"
+    paths["md"].write_text(render_markdown(report, {name: caption for name, (caption, _) in images.items()}))
+    paths["html"] = out_dir / "report.html"
+    paths["html"].write_text(render_html(report, images))
+    if tracker is not None:
+        log_to_tracker(report, out_dir, tracker)
+    return paths
+
+
+def log_to_tracker(report: dict, out_dir: Path, tracker) -> None:
+    """The settings table (one row per candidate x setting) and the report folder as an artifact."""
+    rows = [[c["name"]] + [s.get(k) for k in SETTING_COLUMNS[1:]] for c in report["candidates"] for s in c["settings"]]
+    tracker.log_table("eval/settings", SETTING_COLUMNS, rows)
+    tracker.log_artifact(out_dir, "eval-report", "eval-report")

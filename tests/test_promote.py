@@ -1,0 +1,334 @@
+"""Promotion into the serving config: the contract's layout, history, dry-run diff, refusals, atomicity, locking."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eval.promote import promote
+from specdec_runtime.loading import VocabMismatchError
+from specdec_runtime.tiny import byte_level_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_report(
+    folder: Path,
+    name: str = "trunc2-fkl",
+    gamma: int = 4,
+    enabled: bool = True,
+    target: str = "random:tiny-llama",
+    fingerprint: str = "0123456789abcdef",
+) -> Path:
+    """A report.json (contract of eval/sweep.py) recommending `name` with `gamma`, its draft folder created."""
+    draft = folder / "candidates" / name / "best"
+    draft.mkdir(parents=True, exist_ok=True)
+    (draft / "config.json").write_text(json.dumps({"vocab_size": 259}))
+    measured = {"acceptance_rate": 0.71, "mean_accepted_length": 3.1, "speedup": 1.8 if enabled else 0.9}
+    report = {
+        "schema_version": 1,
+        "created_at": "2026-11-29T12:00:00Z",
+        "target": target,
+        "target_fingerprint": fingerprint,
+        "device": "cpu",
+        "candidates": [],
+        "recommendation": {
+            "name": name,
+            "draft": str(draft),
+            "num_draft_tokens": gamma,
+            "draft_rule": "greedy",
+            "temperature": 0.0,
+            "enabled": enabled,
+            "measured": measured,
+            "reason": "best measured speedup 1.80x"
+            if enabled
+            else "no candidate beats target-only decoding: the best measured 0.90x",
+        },
+    }
+    path = folder / f"report-{name}-{gamma}.json"
+    path.write_text(json.dumps(report))
+    return path
+
+
+def word_level_tokenizer(words: list[str]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate([*words, "<unk>"])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_promote_writes_the_serving_contract(tmp_path):
+    report = write_report(tmp_path)
+    serving = tmp_path / "serving.yaml"
+    summary = promote(report, serving)
+    cfg = load(serving)
+    draft = str((tmp_path / "candidates" / "trunc2-fkl" / "best").resolve())
+    assert "trunc2-fkl" in summary and str(serving) in summary
+    assert cfg["target"] == "random:tiny-llama"
+    spec = cfg["speculative"]
+    assert spec["enabled"] is True and spec["draft"] == draft and spec["num_draft_tokens"] == 4
+    assert spec["draft_rule"] == "greedy"
+    assert spec["measured"] == {
+        "acceptance_rate": 0.71,
+        "mean_accepted_length": 3.1,
+        "speedup": 1.8,
+        "eval_report": str(report.resolve()),
+    }
+    engines = cfg["engines"]
+    assert engines["vllm"] == {
+        "speculative_config": {"model": draft, "num_speculative_tokens": 4, "method": "draft_model"}
+    }
+    sglang = engines["sglang"]
+    flags = dict(zip(sglang[::2], sglang[1::2]))
+    assert flags == {
+        "--speculative-algorithm": "STANDALONE",
+        "--speculative-draft-model-path": draft,
+        "--speculative-num-steps": 4,
+        "--speculative-eagle-topk": 1,
+        "--speculative-num-draft-tokens": 5,
+    }
+    assert engines["trtllm"]["speculative_config"] == {
+        "decoding_type": "DraftTarget",
+        "max_draft_len": 4,
+        "speculative_model": draft,
+    }
+    (entry,) = cfg["history"]
+    assert entry["draft"] == draft and entry["replaced"] is None and entry["measured"] == spec["measured"]
+    assert entry["promoted_at"].endswith("Z")
+    assert "*id" not in serving.read_text() and "&id" not in serving.read_text()  # plain YAML, no aliases
+
+
+def test_history_across_promotions_keeps_foreign_settings(tmp_path):
+    serving = tmp_path / "serving.yaml"
+    promote(write_report(tmp_path, "first", gamma=4), serving)
+    cfg = load(serving)
+    # A deployment's own settings, which promotion must not touch.
+    cfg["port"] = 8000
+    cfg["engines"]["vllm"]["tensor_parallel_size"] = 2
+    cfg["engines"]["sglang"] = ["--tp-size", 2, *cfg["engines"]["sglang"], "--mem-fraction-static", 0.8]
+    serving.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    summary = promote(write_report(tmp_path, "second", gamma=3), serving)
+    cfg = load(serving)
+    first = str((tmp_path / "candidates" / "first" / "best").resolve())
+    second = str((tmp_path / "candidates" / "second" / "best").resolve())
+    assert f"replacing {first}" in summary
+    assert [h["draft"] for h in cfg["history"]] == [first, second]
+    assert cfg["history"][1]["replaced"] == first and cfg["history"][1]["num_draft_tokens"] == 3
+    assert cfg["speculative"]["draft"] == second and cfg["speculative"]["num_draft_tokens"] == 3
+    assert cfg["port"] == 8000 and cfg["engines"]["vllm"]["tensor_parallel_size"] == 2
+    assert cfg["engines"]["vllm"]["speculative_config"]["num_speculative_tokens"] == 3
+    sglang = cfg["engines"]["sglang"]
+    assert sglang[:4] == ["--tp-size", 2, "--mem-fraction-static", 0.8]
+    assert sglang.count("--speculative-num-steps") == 1 and sglang[sglang.index("--speculative-num-steps") + 1] == 3
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == second
+
+
+def test_disabled_recommendation_turns_speculation_off(tmp_path):
+    serving = tmp_path / "serving.yaml"
+    promote(write_report(tmp_path, "first"), serving)
+    summary = promote(write_report(tmp_path, "weak", enabled=False), serving)
+    cfg = load(serving)
+    assert "disabled" in summary
+    assert cfg["speculative"]["enabled"] is False and "no candidate beats" in cfg["speculative"]["reason"]
+    assert "draft" not in cfg["speculative"]
+    engines = cfg["engines"]
+    assert "speculative_config" not in engines["vllm"] and "speculative_config" not in engines["trtllm"]
+    assert not [a for a in engines["sglang"] if str(a).startswith("--speculative")]
+    assert engines["speculative"].startswith("off")
+    assert cfg["history"][-1]["draft"] is None and cfg["history"][-1]["enabled"] is False
+    assert cfg["history"][-1]["replaced"] == str((tmp_path / "candidates" / "first" / "best").resolve())
+
+
+def test_dry_run_prints_diff_and_writes_nothing(tmp_path):
+    serving = tmp_path / "serving.yaml"
+    diff = promote(write_report(tmp_path, "first"), serving, dry_run=True)
+    assert not serving.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["candidates", "report-first-4.json"]
+    assert diff.startswith(f"--- {serving} (current)\n+++ {serving} (promoted)\n")
+    assert "+  num_draft_tokens: 4" in diff
+    promote(write_report(tmp_path, "first"), serving)
+    before = serving.read_bytes()
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    diff = promote(write_report(tmp_path, "second", gamma=2), serving, dry_run=True)
+    assert serving.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*listing, "report-second-2.json"])
+    assert "-  num_draft_tokens: 4" in diff and "+  num_draft_tokens: 2" in diff
+    assert "+  replaced: " in diff  # the new history entry names the draft it replaces
+
+
+def test_refuses_vocabulary_mismatch(tmp_path):
+    report, serving = write_report(tmp_path), tmp_path / "serving.yaml"
+    other = word_level_tokenizer(["hello", "world"])  # same size class, different tokens
+    with pytest.raises(VocabMismatchError, match="differ at id 0"):
+        promote(report, serving, target_tokenizer=byte_level_tokenizer(), draft_tokenizer=other)
+    assert not serving.exists()
+    promote(report, serving, target_tokenizer=byte_level_tokenizer(), draft_tokenizer=byte_level_tokenizer())
+    assert load(serving)["speculative"]["enabled"] is True
+
+
+def test_refuses_report_for_another_target(tmp_path):
+    report, serving = write_report(tmp_path, target="org/model-a"), tmp_path / "serving.yaml"
+    with pytest.raises(ValueError, match="made for target 'org/model-a', not for 'org/model-b'"):
+        promote(report, serving, expected_target="org/model-b")
+    with pytest.raises(ValueError, match=r"fingerprint 0123456789abcdef\).*fingerprint ffffffffffffffff"):
+        promote(report, serving, expected_target="org/model-a", expected_fingerprint="ffffffffffffffff")
+    assert not serving.exists()
+    promote(report, serving, expected_target="org/model-a", expected_fingerprint="0123456789abcdef")
+    assert serving.exists()
+
+
+def test_same_target_through_another_path_is_accepted(tmp_path):
+    (tmp_path / "target").mkdir()
+    report = write_report(tmp_path, target=str(tmp_path / "target"))
+    promote(report, tmp_path / "serving.yaml", expected_target=str(tmp_path / "." / "target"))
+    assert load(tmp_path / "serving.yaml")["target"] == str(tmp_path / "target")
+
+
+@pytest.mark.parametrize(
+    "content, problem", [("target: [unclosed\n", "not valid YAML"), ("- a\n- list\n", "a YAML list")]
+)
+def test_refuses_to_overwrite_a_broken_serving_file(tmp_path, content, problem):
+    report, serving = write_report(tmp_path), tmp_path / "serving.yaml"
+    serving.write_text(content)
+    with pytest.raises(ValueError, match=f"is {problem}.*force=True"):
+        promote(report, serving)
+    with pytest.raises(ValueError, match="force=True"):
+        promote(report, serving, dry_run=True)
+    assert serving.read_text() == content
+    promote(report, serving, force=True)
+    assert load(serving)["speculative"]["enabled"] is True and len(load(serving)["history"]) == 1
+    (broken,) = tmp_path.glob("serving.yaml.broken-*")
+    assert broken.read_text() == content
+
+
+def test_refuses_an_unfinished_report(tmp_path):
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"schema_version": 1, "target": "t", "candidates": []}))
+    with pytest.raises(ValueError, match="has no recommendation"):
+        promote(path, tmp_path / "serving.yaml")
+
+
+def test_failed_rename_leaves_old_config(tmp_path, monkeypatch):
+    serving = tmp_path / "serving.yaml"
+    promote(write_report(tmp_path, "first"), serving)
+    before = serving.read_bytes()
+
+    def crash(*args):
+        raise OSError("simulated crash before rename")
+
+    monkeypatch.setattr("eval.promote.os.replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        promote(write_report(tmp_path, "second"), serving)
+    assert serving.read_bytes() == before
+    assert not list(tmp_path.glob(".serving.yaml.*.tmp"))
+
+
+HALF_WRITE = textwrap.dedent("""
+    import os, pathlib, sys, time
+    import eval.promote as P
+
+    real_fdopen = os.fdopen
+
+    class HalfThenHang:
+        # Writes half of the new config to the temp file, signals the test, then hangs until killed.
+        def __init__(self, f):
+            self.f = f
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            self.f.close()
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            pathlib.Path(sys.argv[3]).touch()
+            time.sleep(120)
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    P.os.fdopen = lambda fd, mode="r": HalfThenHang(real_fdopen(fd, mode))
+    P.promote(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]))
+""")
+
+
+def test_kill_mid_write_leaves_old_config(tmp_path):
+    serving = tmp_path / "serving.yaml"
+    promote(write_report(tmp_path, "first"), serving)
+    before = serving.read_bytes()
+    marker = tmp_path / "half-written"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HALF_WRITE, str(write_report(tmp_path, "second")), str(serving), str(marker)], cwd=REPO
+    )
+    try:
+        deadline = time.time() + 60
+        while not marker.exists():
+            assert proc.poll() is None and time.time() < deadline, "the writer never reached the half-way point"
+            time.sleep(0.05)
+        (temp,) = tmp_path.glob(".serving.yaml.*.tmp")
+        assert 0 < temp.stat().st_size < len(before) + 200  # half of the new file sits in the temp file
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert serving.read_bytes() == before
+    assert load(serving)["speculative"]["draft"].endswith("first/best")
+    promote(write_report(tmp_path, "third"), serving)  # the stale lock of the killed process does not block
+    assert len(load(serving)["history"]) == 2
+
+
+CONCURRENT = textwrap.dedent("""
+    import pathlib, sys, time
+    import yaml
+    import eval.promote as P
+
+    real_load = yaml.safe_load
+
+    def slow_load(text):
+        # Widen the read-modify-write window: without the lock, both processes would read the same old history.
+        out = real_load(text)
+        time.sleep(0.5)
+        return out
+
+    P.yaml.safe_load = slow_load
+    go = pathlib.Path(sys.argv[3])
+    while not go.exists():
+        time.sleep(0.01)
+    print(P.promote(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])))
+""")
+
+
+def test_concurrent_promotions_both_land(tmp_path):
+    serving = tmp_path / "serving.yaml"
+    promote(write_report(tmp_path, "first"), serving)
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT, str(write_report(tmp_path, name)), str(serving), str(go)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a", "b")
+    ]
+    time.sleep(0.5)  # let both interpreters start and wait on the go file
+    go.touch()
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    history = load(serving)["history"]
+    names = [Path(h["draft"]).parent.name for h in history]
+    assert names[0] == "first" and sorted(names[1:]) == ["a", "b"]
+    assert history[2]["replaced"] == history[1]["draft"]  # the second writer saw the first one's result
