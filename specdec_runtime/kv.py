@@ -8,6 +8,9 @@ The engine talks to a model only through a state object with two methods:
 `config.max_position_embeddings` and `device`); `llama.StaticState` serves the compact model's per-row static cache.
 """
 
+import functools
+import inspect
+
 import torch
 from transformers import DynamicCache
 
@@ -31,11 +34,17 @@ def hf_forward(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=attention_mask,
-        cache=cache,
         use_cache=True,
         logits_to_keep=logits_to_keep,
+        **{cache_keyword(type(model)): cache},
     )
     return out.logits.float()
+
+
+@functools.cache
+def cache_keyword(model_cls: type) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); an older model would silently ignore `cache=`."""
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
 
 def hole_layout(counts: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

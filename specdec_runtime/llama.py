@@ -127,6 +127,7 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # (D/2,)
         self.attention_scaling = attention_scaling
         self.cache_shape: tuple[int, int] | None = None  # (B, S) of the allocated static cache
+        self.use_graphs = True  # False: eager CUDA decode/verify steps (to measure what the graphs buy)
         self.graphs: dict[int, tuple] = {}  # T -> (graph, static inputs, static logits), valid for cache_shape
         self.graph_pool = None
 
@@ -205,7 +206,7 @@ class Llama(nn.Module):
 
     def step(self, tokens, input_pos, slots, mask) -> torch.Tensor:
         """Forward for a fixed-shape decode/verify step, replayed as a CUDA graph on CUDA."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not self.use_graphs:
             return self(tokens, input_pos, slots, mask)
         T = tokens.shape[1]
         if T not in self.graphs:
