@@ -185,7 +185,9 @@ class Llama(nn.Module):
         for layer in self.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.cache_shape, self.graphs = (batch_size, S), {}
+        # Graphs captured for the old cache are dropped with their memory pool: a pool handle must not outlive
+        # every graph that used it (the caching allocator asserts on a capture into such a pool).
+        self.cache_shape, self.graphs, self.graph_pool = (batch_size, S), {}, None
         return S
 
     def forward(self, tokens, input_pos, slots, mask, last_only: bool = False) -> torch.Tensor:
@@ -241,6 +243,7 @@ class StaticState:
         self.model = model
         self.S = model.setup_cache(batch_size, max_len)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=model.device)  # (B,) real tokens = next pos
+        self.segment = 0  # uncommitted tree slots right after each row's real tokens
 
     def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         T = tokens.shape[1]
@@ -258,3 +261,28 @@ class StaticState:
 
     def rollback(self, drop: torch.Tensor) -> None:
         self.lengths = self.lengths - drop
+
+    def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """Tree nodes take the slots after the segment (their own slots, siblings share a rope position)."""
+        B, T = tokens.shape
+        width = self.segment + T
+        slots = self.lengths[:, None] + self.segment + torch.arange(T, device=tokens.device)  # (B, T)
+        rel = torch.arange(self.S, device=tokens.device) - self.lengths[:, None]  # (B, S) segment column of a slot
+        in_segment = (rel >= 0) & (rel < width)
+        seen_slot = seen.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(B, T, self.S))  # (B, T, S)
+        mask = (rel < 0)[:, None] | (in_segment[:, None] & seen_slot)  # real tokens, then flagged segment slots
+        self.segment = width
+        logits = self.model.step(tokens, positions, slots, mask[:, None])
+        return logits.to(torch.float32, copy=True)
+
+    def tree_commit(self, cols: torch.Tensor, counts: torch.Tensor) -> None:
+        K = cols.shape[1]
+        keep = torch.arange(K, device=cols.device) < counts[:, None]  # (B, K)
+        src = self.lengths[:, None] + cols.clamp_min(0)
+        dst = torch.where(keep, self.lengths[:, None] + torch.arange(K, device=cols.device), self.S - 1)
+        rows = torch.arange(cols.shape[0], device=cols.device)[:, None]
+        for layer in self.model.layers:
+            for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
+                cache[rows, dst] = cache[rows, src]  # the right side is gathered first: overlapping moves are safe
+        self.lengths = self.lengths + counts
+        self.segment = 0
