@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from specdec_runtime.tree import parse_tree
+
 
 @dataclass
 class EvalConfig:
@@ -18,6 +20,8 @@ class EvalConfig:
     """Sampling temperatures to sweep (0 = greedy decoding)."""
     draft_rules: list[Literal["greedy", "sample"]] = field(default_factory=lambda: ["greedy", "sample"])
     """Draft rules to sweep: greedy (argmax draft, vLLM default) and sample (exact rejection sampling)."""
+    trees: list[str] = field(default_factory=list)
+    """Token-tree shapes to sweep besides chains: '4,2,2,1' (branching per depth) or 'dynamic:NODES'."""
     max_new_tokens: int = 128
     """Tokens generated per prompt."""
     batch_size: int = 1
@@ -34,6 +38,11 @@ class EvalConfig:
             raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {self.temperatures}")
         if not self.draft_rules:
             raise ValueError("draft_rules must not be empty")
+        for spec in self.trees:
+            try:
+                parse_tree(spec)
+            except ValueError as e:
+                raise ValueError(f"trees: {e}") from None
         for name in ("max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,5 +1,8 @@
 """Acceptance-rate evaluation: every candidate draft x num_draft_tokens x temperature x draft_rule, measured with
-`specdec_runtime` against target-only decoding on the same prompts in the same process (paired A/B).
+`specdec_runtime` against target-only decoding on the same prompts in the same process (paired A/B). Token trees
+(`eval.trees`) are one more axis: each tree spec adds one setting per temperature x draft_rule, with `tree` set and
+num_draft_tokens = the tree's depth (chains have `tree: null`); promotion only considers chains, the drafting that
+serving engines run.
 
     specdistill eval configs/quickstart.yaml                                   # the run's candidates
     specdistill eval --target embedded:smollm2-135m-instruct --drafts runs/quickstart/candidates/trunc4-fkl \\
@@ -34,6 +37,7 @@ from specdec_runtime.metrics import (
     merge_stats,
     predicted_speedup,
 )
+from specdec_runtime.tree import parse_tree, tree_size
 
 LENGTH_BUCKETS = ("short", "medium", "long")
 
@@ -143,12 +147,16 @@ def _reset_peak(device: torch.device) -> None:
 
 
 def run_prompts(target, draft, prompts: list[EvalPrompt], *, gamma: int, rule: str, temperature: float,
-                max_new_tokens: int, batch_size: int, stop_ids: tuple[int, ...], seed: int, warmup: int):
-    """Decode every prompt (batched), after `warmup` untimed batches -> (tokens per prompt, stats)."""
+                max_new_tokens: int, batch_size: int, stop_ids: tuple[int, ...], seed: int, warmup: int,
+                tree: str | None = None):
+    """Decode every prompt (batched), after `warmup` untimed batches -> (tokens per prompt, stats).
+
+    tree: a token-tree spec drafted instead of a chain of gamma tokens (its depth replaces gamma).
+    """
     sampling = SamplingParams(temperature=temperature)
     generator = torch.Generator(device=target.device)
     kwargs = dict(num_draft_tokens=gamma, draft_rule=rule, sampling=sampling, max_new_tokens=max_new_tokens,
-                  stop_token_ids=stop_ids, generator=generator)
+                  stop_token_ids=stop_ids, generator=generator, tree=tree)
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     for batch in batches[:warmup]:
         generate(target, draft, [p.ids for p in batch], **kwargs)
@@ -218,7 +226,8 @@ def evaluate(target, tokenizer, candidates: list[Candidate], prompts: list[EvalP
     # At temperature 0 both draft rules propose argmax q, so `sample` would repeat `greedy` exactly.
     settings = [(t, r) for t in cfg.temperatures for r in cfg.draft_rules if not (t == 0 and r == "sample")]
     settings = settings or [(t, "greedy") for t in cfg.temperatures]
-    total = len(cfg.temperatures) + len(candidates) * len(settings) * len(cfg.num_draft_tokens)
+    trees = {spec: tree_size(parse_tree(spec)) for spec in cfg.trees}  # spec -> (depth, nodes)
+    total = len(cfg.temperatures) + len(candidates) * len(settings) * (len(cfg.num_draft_tokens) + len(trees))
     bar = tqdm(total=total, desc="eval", disable=not progress or rank != 0)
     run = dict(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, stop_ids=stop_ids, seed=seed,
                warmup=cfg.warmup)
@@ -236,6 +245,9 @@ def evaluate(target, tokenizer, candidates: list[Candidate], prompts: list[EvalP
         draft, draft_tokenizer = load_draft(cand, device, dtype)
         check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
         costs = {g: measure_cost_ratios(target, draft, num_draft_tokens=g) for g in cfg.num_draft_tokens}
+        # A tree step's verify forward covers its nodes (+ the pending token), its draft runs one forward per level.
+        tree_costs = {spec: measure_cost_ratios(target, draft, num_draft_tokens=nodes)
+                      for spec, (_, nodes) in trees.items()}
         offline = {(t, r): offline_acceptance(target, draft, mine, outputs[t], t, r) for t, r in settings}
         offline_t1 = offline_acceptance(target, draft, mine, outputs[cfg.temperatures[-1]], 1.0, "sample")
         rows = []
@@ -246,7 +258,15 @@ def evaluate(target, tokenizer, candidates: list[Candidate], prompts: list[EvalP
                                             **run)
                 rows.append(dict(temperature=temperature, draft_rule=rule, num_draft_tokens=gamma, stats=stats,
                                  peak=peak_memory_bytes(target.device), offline=offline[(temperature, rule)],
-                                 costs=costs[gamma]))
+                                 costs=costs[gamma], tree=None))
+                bar.update(1)
+            for spec, (depth, _) in trees.items():
+                _reset_peak(target.device)
+                tokens, stats = run_prompts(target, draft, mine, gamma=depth, rule=rule, temperature=temperature,
+                                            tree=spec, **run)
+                rows.append(dict(temperature=temperature, draft_rule=rule, num_draft_tokens=depth, stats=stats,
+                                 peak=peak_memory_bytes(target.device), offline=offline[(temperature, rule)],
+                                 costs=tree_costs[spec], tree=spec))
                 bar.update(1)
         report_candidates.append(dict(cand=cand, rows=rows, offline_t1=offline_t1,
                                       num_parameters=sum(p.numel() for p in draft.parameters())))
@@ -299,7 +319,7 @@ def build_report(parts: list[dict], cfg: EvalConfig, *, target_spec: str, finger
         "device": _device_name(device),
         "prompts": {"source": cfg.prompts, "count": len(prompts), "categories": categories},
         "sweep": {"num_draft_tokens": cfg.num_draft_tokens, "temperatures": cfg.temperatures,
-                  "draft_rules": cfg.draft_rules, "max_new_tokens": cfg.max_new_tokens,
+                  "draft_rules": cfg.draft_rules, "trees": cfg.trees, "max_new_tokens": cfg.max_new_tokens,
                   "batch_size": cfg.batch_size},
         "target_only": target_only,
         "candidates": candidates,
@@ -323,7 +343,8 @@ def _setting(row: dict, stats: GenerationStats, base: GenerationStats, prompts: 
     predicted = predicted_speedup(tau, gamma, c, v)
     return {
         "num_draft_tokens": gamma, "temperature": row["temperature"], "draft_rule": row["draft_rule"],
-        "acceptance_rate": alpha, "mean_accepted_length": tau,
+        "tree": row["tree"], "acceptance_rate": alpha, "mean_accepted_length": tau,
+        "nodes_per_step": agg["nodes_per_step"],
         "per_position_acceptance": agg["per_position_acceptance"],
         "expected_acceptance": row["offline"], "cost_ratio": c, "verify_cost_ratio": v,
         "analytic_speedup": analytic_speedup(alpha, gamma, c), "predicted_speedup": predicted,
@@ -349,10 +370,11 @@ def _device_name(device) -> str:
 
 def recommend(report: dict, *, temperature: float, draft_rule: str, min_acceptance: float) -> dict:
     """Best candidate and num_draft_tokens by measured speedup at the serving setting; disabled with the reason when
-    nothing beats target-only decoding or acceptance is below min_acceptance."""
+    nothing beats target-only decoding or acceptance is below min_acceptance. Only chains: the serving engines'
+    draft-model speculation (vLLM, SGLang, TensorRT-LLM) drafts chains, so tree settings are reported, not promoted."""
     rule = "greedy" if temperature == 0 else draft_rule  # the sweep runs only greedy at T=0 (identical there)
     options = [(s, c) for c in report["candidates"] for s in c["settings"]
-               if s["temperature"] == temperature and s["draft_rule"] == rule]
+               if s["temperature"] == temperature and s["draft_rule"] == rule and s.get("tree") is None]
     if not options:
         raise ValueError(f"the report has no setting at temperature={temperature}, draft_rule={rule}; add them to "
                          "eval.temperatures / eval.draft_rules or change serving.temperature / serving.draft_rule")

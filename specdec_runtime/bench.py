@@ -3,7 +3,8 @@
 All three run in this process on the same prompts with the same stop token; warm-up runs are excluded from timings.
 On CUDA, Llama-family models run through the compact model (bf16 static cache + CUDA graphs) for both of our modes,
 while HF assisted generation uses the HF models as given. HF assisted generation only supports batch size 1, so it
-runs prompt by prompt whatever `batch_size` is. The lead's CLI wires this to `specdistill bench`.
+runs prompt by prompt whatever `batch_size` is. With `tree`, a token-tree run of the same pair joins them (our engine,
+same prompts), reported next to the chain as `tree`. The lead's CLI wires this to `specdistill bench`.
 """
 
 import time
@@ -15,6 +16,7 @@ from .engine import generate
 from .llama import Llama
 from .metrics import analytic_speedup, measure_cost_ratios, merge_stats, predicted_speedup
 from .sampling import DraftRule, SamplingParams
+from .tree import parse_tree, tree_size
 
 
 def fast_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -57,8 +59,14 @@ def run_bench(
     seed: int,
     warmup: int = 1,
     draft_rule: DraftRule = "greedy",
+    tree: str | None = None,
 ) -> dict:
-    """Bench JSON of DESIGN.md (`bench --json`); the tokenizer is read for its eos/pad token ids only."""
+    """Bench JSON of DESIGN.md (`bench --json`); the tokenizer is read for its eos/pad token ids only.
+
+    tree: a token-tree spec ('4,2,2,1', 'dynamic:NODES'); adds a `tree` block (tokens_per_s, wall_s, new_tokens,
+    acceptance_rate, mean_accepted_length, nodes_per_step, verify_cost_ratio at the tree's node count, speedup over
+    target-only and speedup_vs_chain over the chain of num_draft_tokens, both wall-time ratios on the same prompts).
+    """
     eos = tokenizer.eos_token_id
     fast_target, fast_draft = fast_model(target), fast_model(draft)
     ours = {
@@ -88,8 +96,13 @@ def run_bench(
         _run_ours(fast_target, None, prompts[:batch_size], batch_size, generator=seeded(), **ours)
         _run_ours(fast_target, fast_draft, prompts[:batch_size], batch_size, generator=seeded(), **ours)
         _run_hf_assisted(target, draft, prompts[:1], hf_config)
+        if tree is not None:
+            _run_ours(fast_target, fast_draft, prompts[:batch_size], batch_size, generator=seeded(), tree=tree, **ours)
     target_only = _run_ours(fast_target, None, prompts, batch_size, generator=seeded(), **ours)
     speculative = _run_ours(fast_target, fast_draft, prompts, batch_size, generator=seeded(), **ours)
+    tree_run = None
+    if tree is not None:
+        tree_run = _run_ours(fast_target, fast_draft, prompts, batch_size, generator=seeded(), tree=tree, **ours)
     torch.manual_seed(seed)  # HF sampling draws from the global generator
     hf_assisted = _run_hf_assisted(target, draft, prompts, hf_config)
 
@@ -101,7 +114,7 @@ def run_bench(
     speedup = target_only["wall_s"] / speculative["wall_s"]
     predicted = predicted_speedup(tau, num_draft_tokens, c, v)
     keep = ("tokens_per_s", "wall_s", "new_tokens")
-    return {
+    result = {
         "target_only": {k: target_only[k] for k in keep},
         "speculative": {k: speculative[k] for k in keep},
         "hf_assisted": hf_assisted,
@@ -124,8 +137,23 @@ def run_bench(
             "num_prompts": len(prompts),
             "seed": seed,
             "compact_model": fast_target is not target,
+            "tree": tree,
         },
     }
+    if tree_run is not None:
+        _, nodes = tree_size(parse_tree(tree))
+        _, tree_v = measure_cost_ratios(
+            fast_target, fast_draft, num_draft_tokens=nodes, batch_size=batch_size, context_len=context_len
+        )
+        result["tree"] = {
+            "tree": tree,
+            **{k: tree_run[k] for k in keep},
+            **{k: tree_run[k] for k in ("acceptance_rate", "mean_accepted_length", "nodes_per_step")},
+            "verify_cost_ratio": tree_v,
+            "speedup": target_only["wall_s"] / tree_run["wall_s"],
+            "speedup_vs_chain": speculative["wall_s"] / tree_run["wall_s"],
+        }
+    return result
 
 
 def format_bench_table(result: dict) -> str:
@@ -147,4 +175,9 @@ def format_bench_table(result: dict) -> str:
     )
     width = max(len(name) for name in names)
     lines += [f"{name:<{width}}  {result[name]:.3f}" for name in names]
+    if "tree" in result:
+        row = result["tree"]
+        tree_names = ("mean_accepted_length", "nodes_per_step", "verify_cost_ratio", "speedup", "speedup_vs_chain")
+        lines.append(f"tree {row['tree']}: {row['tokens_per_s']:.1f} tokens/s, {row['wall_s']:.3f} s")
+        lines += [f"  {name:<{width}}{row[name]:.3f}" for name in tree_names]
     return "\n".join(lines)

@@ -1,9 +1,14 @@
 """KV-cache state of one model over a ragged batch: feed new tokens, roll back rejected ones.
 
-The engine talks to a model only through a state object with two methods:
+The engine talks to a model only through a state object with these methods:
   extend(tokens (B, T), counts (B,), last_only) -> logits (B, T or 1, V): row b's real tokens are its last
       counts[b] columns (holes on the left), at the positions that follow the row's cached tokens;
-  rollback(drop (B,)): forget each row's last drop[b] real tokens.
+  rollback(drop (B,)): forget each row's last drop[b] real tokens;
+  tree_forward(tokens (B, T), positions (B, T), seen (B, T, W + T)) -> logits (B, T, V): token-tree nodes appended to
+      an uncommitted segment of W columns after the row's real tokens; each sees those real tokens and the segment
+      columns flagged in `seen` (its ancestors and itself);
+  tree_commit(cols (B, K), counts (B,)): keep each row's first counts[b] segment columns listed in cols (the accepted
+      path, in order) right after its real tokens, and drop the rest of the segment.
 `HFState` serves any HF causal LM (or anything with the same forward keywords, `config.vocab_size`,
 `config.max_position_embeddings` and `device`); `llama.StaticState` serves the compact model's per-row static cache.
 """
@@ -62,6 +67,7 @@ class HFState:
         self.cache = DynamicCache()  # no config: plain full-attention layers, croppable at any length
         self.mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=model.device)  # (B, S) real columns
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=model.device)  # (B,) real tokens = next pos
+        self.segment = 0  # uncommitted tree columns after the mask's columns
 
     def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         valid, positions = hole_layout(counts, self.lengths, tokens.shape[1])
@@ -79,6 +85,30 @@ class HFState:
         if trailing:
             self.cache.crop(-trailing)  # negative: number of columns to remove
             self.mask = self.mask[:, : self.mask.shape[1] - trailing]
+
+    def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        B, T = tokens.shape
+        visible = torch.cat([self.mask[:, None, :].expand(B, T, -1), seen], -1)[:, None]  # (B, 1, T, S + W + T)
+        # Additive 0 / min mask: eager attention adds the mask to the scores, SDPA accepts it too.
+        dtype = self.model.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=tokens.device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        self.segment += T
+        return hf_forward(self.model, self.cache, tokens, positions, mask)
+
+    def tree_commit(self, cols: torch.Tensor, counts: torch.Tensor) -> None:
+        if self.segment == 0:  # nothing forwarded (a depth-1 tree's draft), so nothing to keep
+            return
+        S, K = self.mask.shape[1], cols.shape[1]
+        index = (S + cols.clamp_min(0))[:, None, :, None]  # (B, 1, K, 1) cache columns to keep, in path order
+        for layer in self.cache.layers:
+            gather = index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = torch.cat([layer.keys[:, :, :S], layer.keys.gather(2, gather)], 2)
+            layer.values = torch.cat([layer.values[:, :, :S], layer.values.gather(2, gather)], 2)
+        self.mask = torch.cat([self.mask, torch.arange(K, device=cols.device) < counts[:, None]], 1)
+        self.lengths = self.lengths + counts
+        self.segment = 0
+        self.rollback(torch.zeros_like(counts))  # crop columns that are holes in every row
 
 
 def make_state(model: torch.nn.Module, batch_size: int, max_len: int) -> "HFState | StaticState":

@@ -27,7 +27,7 @@ class RequestStats:
     verify_steps: int
     """Target verify steps the request took part in (each emits accepted drafts + 1 correction/bonus token)."""
     drafted: int
-    """Draft tokens proposed for this request (gamma per verify step)."""
+    """Draft tokens proposed for this request (gamma per verify step, or the tree's nodes)."""
     accepted: int
     """Draft tokens the target accepted."""
     position_reached: list[int]
@@ -56,6 +56,11 @@ class RequestStats:
         return _ratio(self.accepted + self.verify_steps, self.verify_steps)
 
     @property
+    def nodes_per_step(self) -> float | None:
+        # Draft tokens the target verifies per step: gamma for a chain, the node count for a token tree.
+        return _ratio(self.drafted, self.verify_steps)
+
+    @property
     def tpot_s(self) -> float | None:
         return _ratio(self.wall_s - self.ttft_s, self.new_tokens - 1)
 
@@ -64,6 +69,7 @@ class RequestStats:
         return {
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+            "nodes_per_step": self.nodes_per_step,
             "per_position_acceptance": [_ratio(a, r) for a, r in zip(self.position_accepted, self.position_reached)],
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
@@ -99,6 +105,7 @@ class GenerationStats:
         return {
             "acceptance_rate": _ratio(sum(hits), sum(reached)),
             "mean_accepted_length": _ratio(accepted + steps, steps),
+            "nodes_per_step": _ratio(sum(r.drafted for r in req), steps),
             "per_position_acceptance": [_ratio(a, r) for a, r in zip(hits, reached)],
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,

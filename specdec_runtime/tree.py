@@ -105,6 +105,59 @@ def static_tree(branching: list[int]) -> Tree:
     return tree_from_paths(paths)
 
 
+@dataclass(frozen=True)
+class DynamicTreeShape:
+    """An EAGLE-2 dynamic tree (Li et al. 2024): expand the best nodes level by level, keep the best `nodes`."""
+
+    nodes: int
+    """Node budget: draft tokens the target verifies per step."""
+    depth: int
+    """Levels drafted (the deepest possible path)."""
+    top_k: int
+    """Children per expanded node, and nodes expanded per level."""
+
+    def __post_init__(self):
+        if min(self.nodes, self.depth, self.top_k) < 1:
+            raise ValueError(f"dynamic tree needs nodes, depth, top_k >= 1 (got {self})")
+        if self.nodes > self.top_k + (self.depth - 1) * self.top_k**2:
+            raise ValueError(
+                f"dynamic tree of depth {self.depth} and top_k {self.top_k} drafts only "
+                f"{self.top_k + (self.depth - 1) * self.top_k**2} candidates, fewer than nodes={self.nodes}; "
+                "raise depth or top_k"
+            )
+
+
+DYNAMIC_DEPTH, DYNAMIC_TOP_K = 6, 8  # EAGLE-2's defaults are depth 6, top_k 10 for 60 nodes; cut for small budgets
+
+
+def parse_tree(spec: str) -> Tree | DynamicTreeShape:
+    """Tree spec string -> static Tree or DynamicTreeShape.
+
+    '4,2,2,1': static tree, branching per depth (`static_tree`). 'dynamic:NODES': EAGLE-2 tree of NODES nodes,
+    depth min(6, NODES), top_k min(8, NODES); 'dynamic:NODES:DEPTH:TOP_K' sets both.
+    """
+    text = spec.strip()
+    dynamic = text.startswith("dynamic:")
+    parts = text.removeprefix("dynamic:").split(":" if dynamic else ",")
+    if not all(part.strip().isdigit() for part in parts) or (dynamic and len(parts) not in (1, 3)):
+        raise ValueError(
+            f"tree spec {spec!r} is not '4,2,2,1' (branching per depth), 'dynamic:NODES' or 'dynamic:NODES:DEPTH:TOP_K'"
+        )
+    numbers = [int(part) for part in parts]
+    if not dynamic:
+        return static_tree(numbers)
+    nodes = numbers[0]
+    depth, top_k = numbers[1:] if len(numbers) == 3 else (min(DYNAMIC_DEPTH, nodes), min(DYNAMIC_TOP_K, nodes))
+    return DynamicTreeShape(nodes=nodes, depth=depth, top_k=top_k)
+
+
+def tree_size(shape: Tree | DynamicTreeShape) -> tuple[int, int]:
+    """(depth, nodes) of a tree shape: the levels drafted per step (gamma's part) and the tokens verified per step."""
+    if isinstance(shape, DynamicTreeShape):
+        return shape.depth, shape.nodes
+    return shape.max_depth, shape.num_nodes
+
+
 def sibling_rank(parents: torch.Tensor) -> torch.Tensor:
     """Index of each node among its siblings (B, N) from parents (B, N), given siblings appear in draw order."""
     N = parents.shape[-1]

@@ -37,6 +37,10 @@ EXAMPLES = {
 }
 
 
+TREE_HELP = ("draft a token tree instead of a chain: '4,2,2,1' (branching per depth) or 'dynamic:NODES' (EAGLE-2, "
+             "NODES verified per step); its depth replaces --num-draft-tokens")
+
+
 class UserError(Exception):
     """An error caused by the user's input; printed as one line, exit code 2."""
 
@@ -62,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tree", default=None, help=TREE_HELP)
     gen.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     gen.add_argument("prompt", help="the user message")
 
@@ -71,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default="builtin:eval", help="prompt file or builtin:eval")
     bench.add_argument("--num-prompts", type=int, default=8)
     bench.add_argument("--num-draft-tokens", type=int, default=4)
+    bench.add_argument("--tree", default=None, help="also run a token tree, '4,2,2,1' (branching per depth) or "
+                       "'dynamic:NODES' (EAGLE-2), reported next to the chain of --num-draft-tokens")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--batch-size", type=int, default=1)
@@ -154,7 +161,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     from specdec_runtime.engine import SamplingParams, generate
     from specdec_runtime.loading import check_vocab_compatible, load_model
+    from specdec_runtime.tree import parse_tree
 
+    if args.tree:
+        parse_tree(args.tree)  # a bad spec fails before the models load
     target, tokenizer = load_model(args.target, dtype=args.dtype, device=args.device,
                                    trust_remote_code=args.trust_remote_code)
     draft = None
@@ -167,7 +177,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     result = generate(target, draft, [prompt], num_draft_tokens=args.num_draft_tokens, draft_rule=args.draft_rule,
                       sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-                      max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids(tokenizer), generator=generator)
+                      max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids(tokenizer), generator=generator,
+                      tree=args.tree)
     wall = time.perf_counter() - start
     print(tokenizer.decode(result.tokens[0], skip_special_tokens=True))
     stats = result.stats.aggregate()
@@ -175,6 +186,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if draft is not None:
         parts = [f"acceptance_rate={stats['acceptance_rate']:.3f}",
                  f"mean_accepted_length={stats['mean_accepted_length']:.2f}"] + parts
+        if args.tree:
+            parts.insert(2, f"nodes_per_step={stats['nodes_per_step']:.1f}")
     print("[" + " ".join(parts) + "]", file=sys.stderr)
 
 
@@ -186,9 +199,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from distill.prompts import load_prompts, render_chat
     from specdec_runtime.bench import format_bench_table, run_bench
     from specdec_runtime.loading import check_vocab_compatible, load_model
+    from specdec_runtime.tree import parse_tree
 
     if not args.draft:
         raise UserError("bench needs --draft (the target-only and HF-assisted runs are measured against it)")
+    if args.tree:
+        parse_tree(args.tree)  # a bad spec fails before the models load
     target, tokenizer = load_model(args.target, dtype=args.dtype, device=args.device,
                                    trust_remote_code=args.trust_remote_code)
     draft, draft_tokenizer = load_model(args.draft, dtype=args.dtype, device=args.device,
@@ -199,7 +215,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     result = run_bench(target, draft, tokenizer, prompts, num_draft_tokens=args.num_draft_tokens,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                       seed=args.seed)
+                       seed=args.seed, tree=args.tree)
     result.update(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(prompts))
     print(format_bench_table(result))
     if args.json:
