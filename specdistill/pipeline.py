@@ -59,10 +59,11 @@ def print0(dist: Dist, *args) -> None:
 def load_target(cfg: RootConfig, dist: Dist):
     from specdec_runtime.loading import load_model, model_identity
 
-    model, tokenizer = load_model(cfg.target.model, dtype=cfg.target.dtype, device=dist.device,
-                                  trust_remote_code=cfg.target.trust_remote_code,
-                                  allow_pickle=cfg.target.allow_pickle)
-    return model, tokenizer, model_identity(cfg.target.model)
+    with dist.state.main_process_first():  # rank 0 converts / builds a cached checkpoint once; the others read it
+        model, tokenizer = load_model(cfg.target.model, dtype=cfg.target.dtype, device=dist.device,
+                                      trust_remote_code=cfg.target.trust_remote_code,
+                                      allow_pickle=cfg.target.allow_pickle)
+        return model, tokenizer, model_identity(cfg.target.model)
 
 
 # ----------------------------------------------------------------------------------------------------------------

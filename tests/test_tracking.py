@@ -1,0 +1,125 @@
+"""Experiment tracking: offline W&B runs hold the logged metrics and no secrets; the no-op tracker elsewhere."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+from test_train import tiny_setup, train_config
+
+from train.config import TrackingConfig
+from train.tracking import NoOpTracker, is_secret_key, make_tracker, resolve_mode, strip_secrets
+
+
+def read_wandb_records(run_file: Path) -> list:
+    """Records of a `.wandb` transaction log: a 7-byte header, then LevelDB-log framed protobuf `Record`s in 32 KiB
+    blocks (chunk header: crc32 u32, length u16, type u8 with 1 = full, 2 = first, 3 = middle, 4 = last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def offline_run(run_dir: Path, timeout: float = 60.0) -> tuple[list[dict], list, bytes]:
+    """(history rows, artifact records, raw bytes) of the single offline W&B run under `run_dir`.
+
+    `run.finish()` can return before wandb-core has flushed the transaction log, so wait for its exit record.
+    """
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            records = read_wandb_records(run_file)
+        except DecodeError:  # a record still being written
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    return history, artifacts, run_file.read_bytes()
+
+
+def test_secret_keys_are_recognised_without_dropping_token_counts():
+    for name in ("api_key", "WANDB_API_KEY", "hf_token", "apikey", "wandbToken", "db-password", "client_secret"):
+        assert is_secret_key(name), name
+    for name in ("max_new_tokens", "max_prompt_tokens", "num_draft_tokens", "keep_last", "kd_temperature", "top_k"):
+        assert not is_secret_key(name), name
+    config = {"train": {"lr": 1.0, "api_key": "x"}, "hub": [{"token": "y", "repo": "z"}], "max_new_tokens": 8}
+    assert strip_secrets(config) == {"train": {"lr": 1.0}, "hub": [{"repo": "z"}], "max_new_tokens": 8}
+
+
+def test_no_op_tracker_off_the_main_process_and_with_backend_none(tmp_path):
+    assert isinstance(make_tracker(TrackingConfig(mode="offline"), tmp_path / "a", {}, is_main=False), NoOpTracker)
+    assert isinstance(make_tracker(TrackingConfig(backend="none"), tmp_path / "b", {}, is_main=True), NoOpTracker)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_auto_mode_follows_the_environment(monkeypatch):
+    assert resolve_mode("offline") == "offline" and resolve_mode("online") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_mode("auto") == "disabled"
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    assert resolve_mode("auto") == "online"
+
+
+def test_offline_run_holds_the_metrics_and_no_secret(tmp_path):
+    secret = "sk-THIS-MUST-NOT-LEAK-1234"
+    run_config = {"train": {"lr": 0.5, "api_key": secret}, "hf_token": secret, "data": {"max_new_tokens": 7}}
+    tracker = make_tracker(TrackingConfig(mode="offline"), tmp_path, run_config, is_main=True, name="test-run")
+    tracker.log({"train/loss": 1.5}, step=1)
+    tracker.log({"train/loss": 1.25, "eval/expected_acceptance": 0.75}, step=2)
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "config.json").write_text("{}")
+    tracker.log_artifact(tmp_path / "best", name="test-run-best", type="model")
+    tracker.finish()
+
+    history, artifacts, raw = offline_run(tmp_path)
+    assert [(r["_step"], r["train/loss"]) for r in history] == [(1, 1.5), (2, 1.25)]
+    assert history[1]["eval/expected_acceptance"] == 0.75
+    assert [(a.name, a.type) for a in artifacts] == [("test-run-best", "model")]
+    assert secret.encode() not in raw and b"max_new_tokens" in raw
+    assert not any(secret in p.read_text(errors="ignore") for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_distill_logs_training_and_validation_to_wandb(tmp_path, isolated_cache):
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny_setup(tmp_path)
+    cfg = train_config(tmp_path / "run", "tracking.backend=wandb", "tracking.mode=offline", "train.max_steps=2")
+    cand = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    history, artifacts, _ = offline_run(cand)
+    logged = {(r["_step"], key) for r in history for key in r if not key.startswith("_")}
+    for step in (1, 2):
+        for key in (
+            "train/loss",
+            "train/lr",
+            "train/grad_norm",
+            "train/tokens_per_s",
+            "eval/expected_acceptance",
+            "eval/greedy_match",
+            "eval/loss",
+        ):
+            assert (step, key) in logged
+    assert [(a.name, a.type) for a in artifacts] == [("run-draft-best", "model")]

@@ -1,0 +1,512 @@
+"""The distillation loop on tiny random models: smoke + resume, the pure pieces, cache / on-policy / NaN paths.
+
+The helpers at the top (`tiny_setup`, `make_teacher_data`, `train_config`) are shared with the other train tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import weakref
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+
+TESTS = Path(__file__).parent
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def make_split(path: Path, teacher, n: int, *, seed: int, top_k: int | None) -> Path:
+    """A finished teacher dataset in the data contract's format: random prompt/response ids, optional top-k cache
+    from a real teacher forward (so cached and online targets agree)."""
+    from distill.data import COMPLETE, features
+
+    g = torch.Generator().manual_seed(seed)
+    cols = {"id": [], "category": [], "input_ids": [], "prompt_len": []}
+    cols |= {"topk_ids": [], "topk_logprobs": []} if top_k else {}
+    for i in range(n):
+        P, R = int(torch.randint(3, 8, (1,), generator=g)), int(torch.randint(2, 10, (1,), generator=g))
+        ids = torch.randint(3, teacher.config.vocab_size, (P + R,), generator=g)
+        cols["id"].append(f"p{i}#0")
+        cols["category"].append("test")
+        cols["input_ids"].append(ids.tolist())
+        cols["prompt_len"].append(P)
+        if top_k:
+            with torch.no_grad():
+                logprobs = torch.log_softmax(teacher(ids[None]).logits[0].float(), dim=-1)  # (T, V)
+            values, indices = logprobs[P - 1 : P + R - 1].topk(top_k, dim=-1)  # position t predicts token t + 1
+            cols["topk_ids"].append(indices.tolist())
+            cols["topk_logprobs"].append(values.tolist())
+    datasets.Dataset.from_dict(cols, features=features(top_k)).save_to_disk(str(path))
+    (path / COMPLETE).write_text("")
+    return path
+
+
+def make_teacher_data(root: Path, teacher, *, n_train: int = 16, n_eval: int = 5, top_k: int | None = 4):
+    from distill.data import TeacherData
+
+    return TeacherData(
+        train=make_split(root / "teacher-test", teacher, n_train, seed=0, top_k=top_k),
+        eval=make_split(root / "teacher-eval-test", teacher, n_eval, seed=1, top_k=top_k),
+    )
+
+
+def train_config(out: Path, *overrides: str):
+    """A config for a few-step run of a 2-layer student of random:tiny-llama on CPU, no W&B."""
+    from specdistill.config import load_config
+
+    base = [
+        f"output_dir={out}",
+        "target.model=random:tiny-llama",
+        "target.device=cpu",
+        "draft.num_layers=2",
+        "train.max_steps=2",
+        "train.batch_size=2",
+        "train.grad_accum=1",
+        "train.max_seq_len=64",
+        "train.lr=1e-2",
+        "train.warmup_steps=1",
+        "train.eval_every=1",
+        "train.save_every=1",
+        "train.log_every=1",
+        "tracking.backend=none",
+        "data.max_new_tokens=6",
+    ]
+    return load_config(None, [*base, *overrides])
+
+
+def candidates(yaml_list: str) -> list:
+    """`candidates` entries parsed like a config file's, e.g. candidates("{name: a}, {name: b}")."""
+    from specdistill.config import load_config
+
+    return load_config(None, [f"candidates=[{yaml_list}]"]).candidates
+
+
+def tiny_setup(root: Path):
+    """(teacher, tokenizer, teacher data) with the random:tiny-llama target from the (isolated) model cache."""
+    from specdec_runtime.loading import load_model
+
+    teacher, tokenizer = load_model("random:tiny-llama", device="cpu")
+    return teacher, tokenizer, make_teacher_data(root, teacher)
+
+
+def final_weights(cand: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(cand / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-4) -> None:
+    """Equal up to float noise. Adam amplifies it where a gradient is near eps: one step moves a weight by ~lr
+    (1e-2 here), so 1e-4 is 1% of a step."""
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def assert_same_logs(a: list[dict], b: list[dict]) -> None:
+    """Same loss, gradient norm and validation metrics at every logged step. Adam hides a constant gradient scale
+    in the weights; the gradient norm does not."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        for key in x.keys() - {"step", "train/tokens_per_s"}:
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
+
+
+def metric_rows(cand: Path) -> list[dict]:
+    return [json.loads(line) for line in (cand / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Built once per module: its own model cache and teacher data, shared read-only by the runs."""
+    root = tmp_path_factory.mktemp("tiny")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
+        yield tiny_setup(root)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure pieces
+
+
+def test_lr_factor_warmup_then_cosine_to_floor():
+    from train.loop import lr_factor
+
+    f = [lr_factor(s, warmup=2, total=10, min_ratio=0.1) for s in range(11)]
+    assert f[0] == pytest.approx(0.5) and f[1] == pytest.approx(1.0)  # linear warm-up
+    assert f[2] == pytest.approx(1.0) and f[10] == pytest.approx(0.1)  # cosine from the peak to the floor
+    assert all(a >= b for a, b in zip(f[1:], f[2:]))
+    assert f[6] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
+
+
+def test_micro_batches_cover_the_same_rows_for_any_split_of_the_global_batch():
+    from train.loop import micro_batch_indices
+
+    order = list(range(100, 148))
+
+    def step_rows(step, world, ga, bs):
+        return sorted(
+            i
+            for r in range(world)
+            for m in range(ga)
+            for i in micro_batch_indices(order, step, m, rank=r, world=world, batch_size=bs, grad_accum=ga)
+        )
+
+    for step in range(3):
+        expected = order[step * 8 : (step + 1) * 8]
+        for world, ga, bs in [(1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2), (4, 2, 1)]:
+            assert step_rows(step, world, ga, bs) == expected
+
+
+def test_epoch_order_is_a_seeded_permutation():
+    from train.loop import epoch_order
+
+    assert sorted(epoch_order(50, 3, 0)) == list(range(50))
+    assert epoch_order(50, 3, 0) == epoch_order(50, 3, 0)
+    assert epoch_order(50, 3, 0) != epoch_order(50, 3, 1) != epoch_order(50, 4, 0)
+
+
+def test_collate_aligns_labels_and_cached_topk_with_the_predicting_position():
+    from train.loop import IGNORE, collate
+
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9], "prompt_len": 3, "topk_ids": [[8, 1], [9, 2]]},
+        {"input_ids": [5, 6, 7], "prompt_len": 2, "topk_ids": [[7, 3]]},
+    ]
+    rows[0]["topk_logprobs"], rows[1]["topk_logprobs"] = [[-0.1, -3], [-0.2, -4]], [[-0.3, -2]]
+    batch = collate(rows, max_seq_len=16, pad_id=0, topk=True)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # position t predicts token t + 1: response tokens 8, 9 are predicted at positions 2, 3
+    assert batch["labels"].tolist() == [[IGNORE, IGNORE, 8, 9, IGNORE], [IGNORE, 7, IGNORE, IGNORE, IGNORE]]
+    assert batch["topk_ids"][0, 2].tolist() == [8, 1] and batch["topk_ids"][0, 3].tolist() == [9, 2]
+    assert batch["topk_ids"][1, 1].tolist() == [7, 3]
+    assert batch["topk_logprobs"][0, 3].tolist() == pytest.approx([-0.2, -4])
+    # filler positions hold a valid distribution (no NaN in the loss for masked positions)
+    assert batch["topk_logprobs"][0, 0].exp().sum() < 1
+
+    truncated = collate(rows, max_seq_len=4, pad_id=0, topk=True)  # keeps the prompt and the first response token
+    assert truncated["labels"][0].tolist() == [IGNORE, IGNORE, 8, IGNORE]
+    assert truncated["topk_ids"][0, 2].tolist() == [8, 1]
+
+
+def test_config_drift_allows_more_steps_but_not_another_objective(tmp_path):
+    from specdistill.config import to_dict
+    from train.loop import config_drift, training_fingerprint
+
+    a = train_config(tmp_path)
+    more = train_config(tmp_path, "train.max_steps=9", "train.eval_every=3", "tracking.backend=wandb")
+    other = train_config(tmp_path, "distill.objective=tv", "train.lr=1e-3")
+    assert config_drift(to_dict(a), to_dict(more)) == []
+    expected = ["distill.objective.forward_kl", "distill.objective.tv", "train.lr"]
+    assert config_drift(to_dict(a), to_dict(other)) == expected
+    assert training_fingerprint(a) == training_fingerprint(train_config(tmp_path, "eval.max_prompts=3"))
+    assert training_fingerprint(a) != training_fingerprint(more)
+
+
+def test_on_policy_rows_keep_the_prompt_and_stop_at_eos(tiny):
+    from distill.config import DataConfig
+    from train.loop import on_policy_rows
+
+    model, tokenizer, _ = tiny
+    rows = [{"input_ids": [10, 11, 12, 13, 14], "prompt_len": 3}, {"input_ids": [20, 21, 22, 23], "prompt_len": 2}]
+    torch.manual_seed(0)
+    eos = tokenizer.eos_token_id
+    out = on_policy_rows(
+        model, rows, eos_id=eos, pad_id=tokenizer.pad_token_id, data=DataConfig(max_new_tokens=5), max_seq_len=64
+    )
+    assert [r["prompt_len"] for r in out] == [3, 2]
+    assert out[0]["input_ids"][:3] == [10, 11, 12] and out[1]["input_ids"][:2] == [20, 21]
+    for r in out:
+        response = r["input_ids"][r["prompt_len"] :]
+        assert 1 <= len(response) <= 5 and eos not in response[:-1]
+    # no room left under max_seq_len: the rows are kept as they are
+    assert on_policy_rows(model, rows, eos_id=eos, pad_id=0, data=DataConfig(), max_seq_len=3) is rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runs
+
+
+def test_two_step_smoke_run_then_resume(tmp_path, tiny, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from train.checkpoint import read_checkpoint
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny
+    cand = distill(
+        train_config(tmp_path / "run", "train.keep_last=1"), "draft", data, teacher=teacher, tokenizer=tokenizer
+    )
+    assert cand == tmp_path / "run" / "candidates" / "draft"
+    rows = metric_rows(cand)
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2]
+    assert all(math.isfinite(r["train/loss"]) and r["train/loss"] > 0 for r in train_rows)
+    evals = [r for r in rows if "eval/expected_acceptance" in r]
+    assert [r["step"] for r in evals] == [1, 2] and all(0 < r["eval/expected_acceptance"] <= 1 for r in evals)
+
+    # keep_last=1: only the newest checkpoint stays, complete and readable
+    ckpts = sorted(p.name for p in (cand / "checkpoints").iterdir())
+    assert ckpts == ["step-000002"]
+    step2 = cand / "checkpoints" / "step-000002"
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng.pt",
+        "trainer_state.json",
+        "config.yaml",
+        "COMPLETE",
+    ):
+        assert (step2 / name).is_file(), name
+    assert read_checkpoint(step2, adapter=False).state.step == 2
+
+    # best/ is a plain HF folder with the best validation acceptance
+    best = json.loads((cand / "best" / "metrics.json").read_text())
+    assert best["eval/expected_acceptance"] == max(r["eval/expected_acceptance"] for r in evals)
+    draft = AutoModelForCausalLM.from_pretrained(cand / "best")
+    assert draft.config.num_hidden_layers == 2
+    assert (cand / "DONE").is_file()
+    capsys.readouterr()
+
+    # resume: one more step from the step-2 checkpoint, metrics rows continue without duplicates
+    distill(
+        train_config(tmp_path / "run", "train.keep_last=1", "train.max_steps=3"),
+        "draft",
+        data,
+        teacher=teacher,
+        tokenizer=tokenizer,
+    )
+    assert "resumed draft from" in capsys.readouterr().out
+    assert [r["step"] for r in metric_rows(cand) if "train/loss" in r] == [1, 2, 3]
+    assert sorted(p.name for p in (cand / "checkpoints").iterdir()) == ["step-000003"]
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, tiny):
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny
+    cfg = train_config(tmp_path / "run", "train.max_steps=1")
+    distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"other settings \(distill.kd_temperature\).*train.resume=false"):
+        distill(
+            train_config(tmp_path / "run", "train.max_steps=2", "distill.kd_temperature=2.0"),
+            "draft",
+            data,
+            teacher=teacher,
+            tokenizer=tokenizer,
+        )
+    # starting over is explicit
+    distill(
+        train_config(tmp_path / "run", "train.max_steps=1", "distill.kd_temperature=2.0", "train.resume=false"),
+        "draft",
+        data,
+        teacher=teacher,
+        tokenizer=tokenizer,
+    )
+
+
+def test_gradient_accumulation_equals_the_big_batch(tmp_path, tiny):
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny
+    runs, rows = {}, {}
+    for name, bs, ga in [("big", 4, 1), ("accum", 2, 2)]:
+        cfg = train_config(
+            tmp_path / name,
+            f"train.batch_size={bs}",
+            f"train.grad_accum={ga}",
+            "train.eval_every=9",
+            "train.save_every=9",
+        )
+        cand = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+        runs[name], rows[name] = final_weights(cand, 2), metric_rows(cand)
+    assert_same_logs(rows["big"], rows["accum"])
+    assert_same_weights(runs["big"], runs["accum"])
+    start = teacher.state_dict()["model.embed_tokens.weight"]
+    assert not torch.allclose(runs["big"]["model.embed_tokens.weight"], start)  # it did train
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny):
+    from train.checkpoint import read_checkpoint
+    from train.loop import NonFiniteLossError, distill
+
+    teacher, tokenizer, data = tiny
+    cfg = train_config(
+        tmp_path / "run",
+        "train.lr=1e30",
+        "train.warmup_steps=0",
+        "train.max_grad_norm=0",
+        "train.max_steps=4",
+        "train.keep_last=5",
+    )
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss .* at step 2; stopped without saving.*step-000001"):
+        distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    cand = tmp_path / "run" / "candidates" / "draft"
+    assert sorted(p.name for p in (cand / "checkpoints").iterdir()) == ["step-000001"]
+    assert read_checkpoint(cand / "checkpoints" / "step-000001", adapter=False).state.step == 1
+    assert max(r["step"] for r in metric_rows(cand)) == 1
+    assert not (cand / "DONE").exists()
+
+
+def test_teacher_cache_trains_without_running_the_teacher(tmp_path, tiny, monkeypatch):
+    import train.loop
+    from specdec_runtime.loading import load_model
+
+    _, _, data = tiny
+    forwards, refs = [], []
+
+    def load_counting(spec, **kwargs):
+        model, tokenizer = load_model(spec, **kwargs)
+        ref = weakref.ref(model)
+        refs.append(ref)
+        # deepcopies of the teacher (the truncated student) share the hook: count only the teacher itself
+        model.register_forward_pre_hook(lambda module, args: forwards.append(1) if module is ref() else None)
+        return model, tokenizer
+
+    monkeypatch.setattr(train.loop, "load_model", load_counting)
+    cfg = train_config(tmp_path / "run", "distill.teacher=cache", "distill.objective=tv")
+    cand = train.loop.distill(cfg, "draft", data)
+    assert len(refs) == 1 and forwards == []
+    assert refs[0]() is None  # nothing holds the teacher after the run
+    rows = metric_rows(cand)
+    assert all(math.isfinite(r["train/loss"]) for r in rows if "train/loss" in r)
+    assert all(0 < r["eval/expected_acceptance"] <= 1 for r in rows if "eval/expected_acceptance" in r)
+
+
+def test_unusable_data_is_refused(tmp_path, tiny):
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny
+    no_cache = make_teacher_data(tmp_path, teacher, top_k=None)
+    with pytest.raises(ValueError, match="data.teacher_cache=true"):
+        distill(
+            train_config(tmp_path / "run", "distill.teacher=cache"),
+            "draft",
+            no_cache,
+            teacher=teacher,
+            tokenizer=tokenizer,
+        )
+    with pytest.raises(ValueError, match="every prompt in .* fills train.max_seq_len=3"):
+        distill(
+            train_config(tmp_path / "run", "train.max_seq_len=3"), "draft", data, teacher=teacher, tokenizer=tokenizer
+        )
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        distill(
+            train_config(tmp_path / "run", "train.batch_size=32"), "draft", data, teacher=teacher, tokenizer=tokenizer
+        )
+
+
+def test_on_policy_batches_are_generated_by_the_student(tmp_path, tiny, monkeypatch):
+    import train.loop
+
+    teacher, tokenizer, data = tiny
+    calls = []
+    original = train.loop.on_policy_rows
+
+    def spy(model, rows, **kwargs):
+        out = original(model, rows, **kwargs)
+        calls.append((rows, out))
+        return out
+
+    monkeypatch.setattr(train.loop, "on_policy_rows", spy)
+    cfg = train_config(tmp_path / "run", "distill.lmbda=1.0", "train.max_steps=1", "train.grad_accum=2")
+    cand = train.loop.distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    assert len(calls) == 2  # every micro-batch of the step
+    rows, out = calls[0]
+    assert [r["input_ids"][: r["prompt_len"]] for r in rows] == [r["input_ids"][: r["prompt_len"]] for r in out]
+    assert math.isfinite(metric_rows(cand)[0]["train/loss"])
+
+
+def test_run_distill_trains_each_candidate_once(tmp_path, tiny, monkeypatch):
+    import train.loop
+
+    teacher, tokenizer, data = tiny
+    cfg = train_config(tmp_path / "run", "train.max_steps=1")
+    cfg.candidates = candidates("{name: a}, {name: b, overrides: {distill.objective: tv}}")
+    trained = []
+    original = train.loop.distill
+    monkeypatch.setattr(
+        train.loop,
+        "distill",
+        lambda c, name, d: trained.append(c) or original(c, name, d, teacher=teacher, tokenizer=tokenizer),
+    )
+    best = train.loop.run_distill(cfg, data)
+    assert best == {n: tmp_path / "run" / "candidates" / n / "best" for n in ("a", "b")}
+    assert [c.distill.objective for c in trained] == [{"forward_kl": 1.0}, {"tv": 1.0}]
+    assert all((p / "config.json").is_file() for p in best.values())
+    train.loop.run_distill(cfg, data)  # finished with the same settings: skipped
+    assert len(trained) == 2
+    cfg.train.max_steps = 2  # other settings: trained again (resuming from its checkpoint)
+    train.loop.run_distill(cfg, data)
+    assert len(trained) == 4
+
+
+def test_end_to_end_with_generated_teacher_data(tmp_path, tiny):
+    """The data stage's real output (with the top-k cache) feeds an online and a cached candidate."""
+    from distill.data import generate_teacher_data
+    from train.loop import run_distill
+
+    teacher, tokenizer, _ = tiny
+    data_settings = [
+        "data.max_prompts=4",
+        "data.max_eval_prompts=2",
+        "data.max_new_tokens=4",
+        "data.teacher_cache=true",
+    ]
+    cfg = train_config(tmp_path / "run", "train.max_steps=1", "train.max_seq_len=1024", *data_settings)
+    cfg.candidates = candidates("{name: online}, {name: cached, overrides: {distill.teacher: cache}}")
+    data = generate_teacher_data(teacher, tokenizer, cfg.data, tmp_path / "run" / "data", teacher_id="tiny")
+    best = run_distill(cfg, data)
+    for name, folder in best.items():
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert 0 < metrics["eval/expected_acceptance"] <= 1 and metrics["eval/tokens"] > 0, name
+
+
+def test_lora_student_resumes_its_adapters_and_exports_merged(tmp_path, tiny):
+    from transformers import AutoModelForCausalLM
+
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny
+    constant = ["draft.lora=true", "draft.lora_r=4", "train.warmup_steps=0", "train.min_lr_ratio=1.0"]
+    straight = distill(
+        train_config(tmp_path / "straight", *constant), "draft", data, teacher=teacher, tokenizer=tokenizer
+    )
+    distill(
+        train_config(tmp_path / "resumed", *constant, "train.max_steps=1"),
+        "draft",
+        data,
+        teacher=teacher,
+        tokenizer=tokenizer,
+    )
+    resumed = distill(
+        train_config(tmp_path / "resumed", *constant), "draft", data, teacher=teacher, tokenizer=tokenizer
+    )
+    step2 = resumed / "checkpoints" / "step-000002"
+    assert (step2 / "adapter_model.safetensors").is_file() and (step2 / "config.json").is_file()
+    adapters = load_file(step2 / "adapter_model.safetensors")
+    assert adapters and all("lora_" in name for name in adapters)
+    assert_same_weights(adapters, load_file(straight / "checkpoints" / "step-000002" / "adapter_model.safetensors"))
+    assert_same_logs(metric_rows(resumed), metric_rows(straight))
+    merged = AutoModelForCausalLM.from_pretrained(resumed / "best")  # a plain model: no peft modules left
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+def test_epochs_mode_runs_whole_passes_over_the_data(tmp_path, tiny):
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny  # 16 sequences, global batch 8: 2 steps per epoch
+    cfg = train_config(
+        tmp_path / "run", "train.max_steps=0", "train.epochs=2", "train.batch_size=8", "train.eval_every=9"
+    )
+    cand = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    assert [r["train/epoch"] for r in metric_rows(cand) if "train/loss" in r] == [0.5, 1.0, 1.5, 2.0]

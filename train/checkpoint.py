@@ -1,0 +1,278 @@
+"""Checkpoint I/O for the distillation loop: atomic step folders, keep-last-K, the best model, exact resume.
+
+Layout, with <cand> = <output_dir>/candidates/<name>:
+
+    <cand>/checkpoints/step-000123/
+        model.safetensors, config.json      the student (save_pretrained); a LoRA student keeps its adapters
+                                            unmerged (adapter_model.safetensors + adapter_config.json) so they train on
+        tokenizer files
+        optimizer.pt, scheduler.pt          torch state dicts
+        rng.pt                              python, numpy, torch and CUDA RNG states, one entry per rank
+        trainer_state.json                  step, data position, best metric, metrics history
+        config.yaml                         the resolved config the run was started with
+        COMPLETE                            written last: a folder without it is half-written and never resumed
+    <cand>/best/                            merged HF model + tokenizer + metrics.json (highest expected_acceptance)
+    <cand>/DONE                             the finished run's config fingerprint
+
+Every folder is written under a temporary name and renamed into place, so a killed run leaves either the old
+state or the new one. Only the main process calls the writers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from peft import PeftModel, set_peft_model_state_dict
+from safetensors.torch import load_file
+
+MARKER = "COMPLETE"
+PREFIX = "step-"
+MODEL_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint folder cannot be resumed from; the message says which file and why."""
+
+
+@dataclass
+class TrainerState:
+    """Loop position and bookkeeping, saved as trainer_state.json."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    epoch: int = 0
+    """Epoch of the next global batch."""
+    batch: int = 0
+    """Index of the next global batch within its epoch."""
+    best_metric: float | None = None
+    """Highest validation expected_acceptance so far."""
+    best_step: int | None = None
+    """Step of `best_metric` (the weights in best/)."""
+    last_eval_step: int | None = None
+    """Step of the last validation, so a resumed finished run does not validate twice."""
+    world_size: int = 1
+    """Processes that wrote the checkpoint (the RNG states are per rank)."""
+    global_batch: int = 0
+    """Sequences per optimizer step when the checkpoint was written (the unit of `batch`)."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """Every validation row logged so far."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint, read completely so a corrupt file is found before anything is restored."""
+
+    path: Path
+    """The step folder."""
+    state: TrainerState
+    """trainer_state.json."""
+    model: dict[str, torch.Tensor]
+    """Student weights (adapter weights only for a LoRA student)."""
+    optimizer: dict
+    """Optimizer state dict."""
+    scheduler: dict
+    """LR scheduler state dict."""
+    rng: list[dict]
+    """RNG states, indexed by rank."""
+    config_yaml: str
+    """The resolved config the checkpoint was trained with."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:06d}"
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix(PREFIX))
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Step folders under `root`, newest first."""
+    dirs = [p for p in root.glob(f"{PREFIX}*") if p.is_dir() and p.name.removeprefix(PREFIX).isdigit()]
+    return sorted(dirs, key=_step_of, reverse=True)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move the finished `tmp` folder to `final`, replacing a stale folder of the same name."""
+    if final.exists():
+        old = final.with_name(f".old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+
+
+def _fresh_tmp(parent: Path, name: str) -> Path:
+    tmp = parent / f".tmp-{name}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model weights
+
+
+def write_model(folder: Path, model, state_dict: dict | None, tokenizer) -> None:
+    """save_pretrained of the (unwrapped) student; `state_dict` is the gathered full state under FSDP, else None."""
+    model.save_pretrained(folder, state_dict=state_dict)
+    if isinstance(model, PeftModel):  # peft writes only the adapters; keep the architecture next to them
+        model.get_base_model().config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def apply_model_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Load checkpoint weights into the plain (not yet prepared) student, refusing missing or unknown keys."""
+    if isinstance(model, PeftModel):
+        result = set_peft_model_state_dict(model, state)
+        if result.unexpected_keys:
+            raise CorruptCheckpointError(f"adapter weights do not fit the student: {result.unexpected_keys[:3]}")
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # save_pretrained stores a tied head once; its twin shares the loaded tensor's storage.
+    own = model.state_dict()
+    loaded = {own[name].data_ptr() for name in state if name in own}
+    untied = [name for name in missing if own[name].data_ptr() not in loaded]
+    if untied or unexpected:
+        raise CorruptCheckpointError(f"weights do not fit the student: missing {untied[:3]}, extra {unexpected[:3]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RNG
+
+
+def rng_state() -> dict:
+    """This process's RNG states: python, numpy, torch CPU and every CUDA device."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Step checkpoints
+
+
+def save_checkpoint(
+    root: Path,
+    state: TrainerState,
+    *,
+    write_model_fn: Callable[[Path], None],
+    optimizer: dict,
+    scheduler: dict,
+    rng: list[dict],
+    config_yaml: str,
+) -> Path:
+    """Write `root/step-<state.step>/` atomically (temp folder, COMPLETE last, rename) and return it."""
+    final = step_dir(root, state.step)
+    tmp = _fresh_tmp(root, final.name)
+    write_model_fn(tmp)
+    torch.save(optimizer, tmp / "optimizer.pt")
+    torch.save(scheduler, tmp / "scheduler.pt")
+    torch.save(rng, tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
+    (tmp / "config.yaml").write_text(config_yaml)
+    (tmp / MARKER).write_text("")
+    _replace_dir(tmp, final)
+    return final
+
+
+def newest_complete(root: Path) -> Path | None:
+    """The newest step folder with its COMPLETE marker (not checked further)."""
+    return next((p for p in _step_dirs(root) if (p / MARKER).is_file()), None)
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete step folders; drop older ones and half-written leftovers."""
+    complete = [p for p in _step_dirs(root) if (p / MARKER).is_file()]
+    keep = set(complete[:keep_last])
+    stale = [p for p in _step_dirs(root) if p not in keep]
+    stale += [p for p in root.iterdir() if p.is_dir() and p.name.startswith((".tmp-", ".old-"))]
+    for path in stale:
+        shutil.rmtree(path)
+
+
+def read_checkpoint(path: Path, *, adapter: bool) -> Checkpoint:
+    """Load every file of a step folder; raise CorruptCheckpointError naming the first unreadable one."""
+    if not (path / MARKER).is_file():
+        raise CorruptCheckpointError(f"no {MARKER} marker (half-written)")
+    name = ""
+    try:
+        name = "trainer_state.json"
+        state = TrainerState(**json.loads((path / name).read_text()))
+        name = ADAPTER_FILE if adapter else MODEL_FILE
+        model = load_file(path / name)
+        name = "optimizer.pt"
+        optimizer = torch.load(path / name, weights_only=True)
+        name = "scheduler.pt"
+        scheduler = torch.load(path / name, weights_only=True)
+        name = "rng.pt"
+        # numpy's RNG state holds an ndarray, which the weights_only allowlist refuses; this file is one we wrote
+        # ourselves into our own checkpoint folder, so full unpickling is acceptable here (and only here).
+        rng = torch.load(path / name, weights_only=False)
+        name = "config.yaml"
+        config_yaml = (path / name).read_text()
+    except Exception as e:  # any unreadable file (truncated, missing, garbage) makes the folder unusable
+        raise CorruptCheckpointError(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    return Checkpoint(path, state, model, optimizer, scheduler, rng, config_yaml)
+
+
+def latest_checkpoint(root: Path, *, adapter: bool, log: Callable[[str], None] = print) -> Checkpoint | None:
+    """The newest readable complete checkpoint; each skipped newer folder is reported with its reason."""
+    skipped = []
+    for path in _step_dirs(root):
+        try:
+            ckpt = read_checkpoint(path, adapter=adapter)
+        except CorruptCheckpointError as e:
+            log(f"warning: skipping checkpoint {path}: {e}")
+            skipped.append(path)
+            continue
+        if skipped:
+            log(f"warning: resuming from the older checkpoint {path} instead of {skipped[0]}")
+        return ckpt
+    if skipped:
+        log(f"warning: no usable checkpoint in {root}; starting from scratch")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# best/ and DONE
+
+
+def save_best(best: Path, write_model_fn: Callable[[Path], None], metrics: dict[str, Any]) -> None:
+    """Replace `best/` with a new HF-format folder and its metrics.json, atomically."""
+    tmp = _fresh_tmp(best.parent, best.name)
+    write_model_fn(tmp)
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    _replace_dir(tmp, best)
+
+
+def write_done(cand: Path, fingerprint: str) -> None:
+    tmp = cand / ".DONE.tmp"
+    tmp.write_text(fingerprint)
+    tmp.replace(cand / "DONE")
+
+
+def is_done(cand: Path, fingerprint: str) -> bool:
+    """True when `cand` holds a finished run (best/ and DONE) of the config with this fingerprint."""
+    done = cand / "DONE"
+    return (cand / "best" / "config.json").is_file() and done.is_file() and done.read_text() == fingerprint
