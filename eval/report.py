@@ -3,6 +3,10 @@
     paths = write_reports(json.loads(Path("runs/quickstart/eval/report.json").read_text()),
                           Path("runs/quickstart/eval"), tracker=tracker)
 
+Chain settings (`tree` null) make the per-gamma plots and tables; token-tree settings (`tree` a spec such as
+"4,2,2,1" or "dynamic:16", num_draft_tokens = the tree's depth) get their own table and a tree-vs-chain plot, so a
+tree never shows up as a point on a gamma curve.
+
 The HTML has no external resources: inline CSS, every plot a PNG embedded as a base64 `data:` URI, so it can be
 mailed, attached to a W&B run or opened offline. The same plots are also written to `<out_dir>/plots/*.png`, which
 report.md links to. Plots are drawn with matplotlib's Agg canvas on `Figure` objects (no pyplot global state).
@@ -41,6 +45,17 @@ SETTING_COLUMNS = [
     "ttft_s",
     "tpot_s",
 ]
+TREE_COLUMNS = [
+    "candidate",
+    "tree",
+    "temperature",
+    "draft_rule",
+    "mean_accepted_length",
+    "nodes_per_step",
+    "speedup",
+    "speedup vs best chain",
+]
+TRACKER_COLUMNS = [*SETTING_COLUMNS, "tree", "nodes_per_step"]
 TARGET_ONLY_COLUMNS = ["temperature", "tokens_per_s", "wall_s", "new_tokens", "ttft_s", "tpot_s", "peak_memory_bytes"]
 TRAINING_KEYS = (("train/loss", "val/loss"), ("val/expected_acceptance", "val/greedy_match"))
 CSS = """
@@ -84,15 +99,55 @@ def write_json_atomic(obj, path: Path) -> Path:
 # Selecting settings
 
 
+def _is_chain(setting: dict) -> bool:
+    """Reports written before token trees have no `tree` key: every setting there is a chain."""
+    return setting.get("tree") is None
+
+
 def _settings(candidate: dict, temperature: float, draft_rule: str) -> list[dict]:
-    """The candidate's settings at one (temperature, draft_rule), ordered by num_draft_tokens."""
-    rows = [s for s in candidate["settings"] if s["temperature"] == temperature and s["draft_rule"] == draft_rule]
+    """The candidate's chain settings at one (temperature, draft_rule), ordered by num_draft_tokens."""
+    rows = [
+        s
+        for s in candidate["settings"]
+        if _is_chain(s) and s["temperature"] == temperature and s["draft_rule"] == draft_rule
+    ]
     return sorted(rows, key=lambda s: s["num_draft_tokens"])
 
 
 def _groups(report: dict) -> list[tuple[float, str]]:
-    """Every (temperature, draft_rule) that some candidate was measured at."""
-    return sorted({(s["temperature"], s["draft_rule"]) for c in report["candidates"] for s in c["settings"]})
+    """Every (temperature, draft_rule) that some candidate was measured at with a chain."""
+    return sorted(
+        {(s["temperature"], s["draft_rule"]) for c in report["candidates"] for s in c["settings"] if _is_chain(s)}
+    )
+
+
+def _tree_settings(candidate: dict, temperature: float, draft_rule: str) -> list[dict]:
+    """The candidate's tree settings at one (temperature, draft_rule), in sweep order."""
+    return [
+        s
+        for s in candidate["settings"]
+        if not _is_chain(s) and s["temperature"] == temperature and s["draft_rule"] == draft_rule
+    ]
+
+
+def _tree_groups(report: dict) -> list[tuple[float, str]]:
+    """Every (temperature, draft_rule) that some candidate was measured at with a tree."""
+    return sorted(
+        {(s["temperature"], s["draft_rule"]) for c in report["candidates"] for s in c["settings"] if not _is_chain(s)}
+    )
+
+
+def best_chain(candidate: dict, temperature: float, draft_rule: str) -> dict | None:
+    """The candidate's chain setting with the highest measured speedup at (temperature, draft_rule)."""
+    rows = [s for s in _settings(candidate, temperature, draft_rule) if s.get("speedup") is not None]
+    return max(rows, key=lambda s: s["speedup"], default=None)
+
+
+def _speedup_vs_best_chain(candidate: dict, tree_setting: dict) -> float | None:
+    chain = best_chain(candidate, tree_setting["temperature"], tree_setting["draft_rule"])
+    if chain is None or not chain["speedup"] or tree_setting.get("speedup") is None:
+        return None
+    return tree_setting["speedup"] / chain["speedup"]
 
 
 def focus_setting(report: dict) -> tuple[int, float, str] | None:
@@ -154,6 +209,12 @@ def _figure(ncols: int, width: float = 4.2, height: float = 3.2) -> tuple[Figure
     return fig, axes
 
 
+def _legend(ax, fontsize: float) -> None:
+    """A legend only over labelled artists: an empty one makes matplotlib warn "No artists with labels found"."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=fontsize)
+
+
 def plot_acceptance_vs_gamma(report: dict) -> Figure | None:
     groups = _groups(report)
     if not groups:
@@ -165,7 +226,7 @@ def plot_acceptance_vs_gamma(report: dict) -> Figure | None:
             ax.plot([s["num_draft_tokens"] for s in rows], _column(rows, "acceptance_rate"), "o-", label=cand["name"])
         ax.set(title=f"T={temperature:g}, {rule}", xlabel="num_draft_tokens", ylabel="acceptance_rate", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    _legend(axes[0], 8)
     return fig
 
 
@@ -183,7 +244,7 @@ def plot_speedup_vs_gamma(report: dict) -> Figure | None:
         ax.axhline(1.0, color="gray", lw=1, ls=":")  # target-only decoding
         ax.set(title=f"T={temperature:g}, {rule}", xlabel="num_draft_tokens", ylabel="speedup vs target-only")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    _legend(axes[0], 7)
     return fig
 
 
@@ -206,7 +267,7 @@ def plot_per_position(report: dict) -> Figure | None:
         ylim=(0, 1.02),
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax, 8)
     return fig
 
 
@@ -231,7 +292,7 @@ def plot_by_category(report: dict) -> Figure | None:
         ylabel="acceptance_rate",
         ylim=(0, 1.02),
     )
-    ax.legend(fontsize=8)
+    _legend(ax, 8)
     return fig
 
 
@@ -250,7 +311,7 @@ def plot_latency(report: dict) -> Figure | None:
             ax.axhline(1e3 * base[key], color="gray", ls="--", lw=1, label="target-only")
         ax.set(title=f"{key} (T={temperature:g}, {rule})", xlabel="num_draft_tokens", ylabel=f"{key[:-2]} (ms)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    _legend(axes[0], 8)
     return fig
 
 
@@ -268,13 +329,50 @@ def plot_training(report: dict) -> Figure | None:
                     ax.plot(*zip(*points), style, color=f"C{i}", label=f"{name} {key}")
         ax.set(xlabel="step", title=" / ".join(keys))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, 7)
+    return fig
+
+
+def plot_tree_vs_chain(report: dict) -> Figure | None:
+    """Bars per candidate: its fastest chain next to each tree, at the recommended (temperature, draft_rule) when
+    trees were measured there, else at the first one they were."""
+    groups = _tree_groups(report)
+    if not groups:
+        return None
+    focus = focus_setting(report)
+    temperature, rule = focus[1:] if focus and focus[1:] in groups else groups[0]
+    specs = list(dict.fromkeys(s["tree"] for c in report["candidates"] for s in _tree_settings(c, temperature, rule)))
+    fig, axes = _figure(2, width=max(4.2, 0.7 * (len(specs) + 1) * len(report["candidates"])), height=3.4)
+    width = 0.8 / len(report["candidates"])
+    for i, cand in enumerate(report["candidates"]):
+        chain = best_chain(cand, temperature, rule)
+        trees = {s["tree"]: s for s in _tree_settings(cand, temperature, rule)}
+        bars = [chain or {}, *(trees.get(spec, {}) for spec in specs)]
+        label = f"{cand['name']} (best chain: num_draft_tokens={chain['num_draft_tokens']})" if chain else cand["name"]
+        for ax, key in zip(axes, ("mean_accepted_length", "speedup")):
+            xs = [j + i * width for j in range(len(bars))]
+            ax.bar(xs, [_num(s.get(key)) for s in bars], width, color=f"C{i}", label=label)
+    for ax, key in zip(axes, ("mean_accepted_length", "speedup")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(specs) + 1)], ["best chain", *specs], rotation=20)
+        ax.set(title=f"{key} (T={temperature:g}, {rule})", ylabel=key)
+        ax.grid(alpha=0.3, axis="y")
+    axes[1].axhline(1.0, color="gray", lw=1, ls=":")  # target-only decoding
+    _legend(axes[0], 7)
     return fig
 
 
 PLOTS: list[tuple[str, str, Callable[[dict], Figure | None]]] = [
-    ("acceptance_vs_gamma", "Measured acceptance_rate vs num_draft_tokens", plot_acceptance_vs_gamma),
-    ("speedup_vs_gamma", "Measured (solid) and predicted (dashed) speedup vs num_draft_tokens", plot_speedup_vs_gamma),
+    ("acceptance_vs_gamma", "Measured acceptance_rate vs num_draft_tokens (chains)", plot_acceptance_vs_gamma),
+    (
+        "speedup_vs_gamma",
+        "Measured (solid) and predicted (dashed) speedup vs num_draft_tokens (chains)",
+        plot_speedup_vs_gamma,
+    ),
+    (
+        "tree_vs_chain",
+        "tree vs chain: mean_accepted_length and speedup, each candidate's fastest chain next to each token tree",
+        plot_tree_vs_chain,
+    ),
     ("per_position_acceptance", "Per-position acceptance at the recommended setting", plot_per_position),
     ("acceptance_by_category", "acceptance_rate per prompt category at the recommended setting", plot_by_category),
     ("latency", "Time to first token and time per output token (dashed: target-only)", plot_latency),
@@ -314,10 +412,10 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             [[_fmt(t.get(k), k) for k in TARGET_ONLY_COLUMNS] for t in target_only],
         )
     )
-    cand_cols = ["candidate", "draft", "num_parameters", "expected_acceptance", "best speedup"]
+    cand_cols = ["candidate", "draft", "num_parameters", "expected_acceptance", "best chain speedup"]
     cand_rows = []
     for c in report["candidates"]:
-        best = max((s["speedup"] for s in c["settings"] if s.get("speedup") is not None), default=None)
+        best = max((s["speedup"] for s in c["settings"] if _is_chain(s) and s.get("speedup") is not None), default=None)
         cand_rows.append(
             [c["name"], c["draft"], _fmt(c.get("num_parameters")), _fmt(c.get("expected_acceptance")), _fmt(best)]
         )
@@ -329,8 +427,16 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 [c["name"]] + [_fmt(s.get(k), k) for k in SETTING_COLUMNS[1:]] for s in _settings(c, temperature, rule)
             ]
     out.append(
-        ("Settings (one row per candidate x num_draft_tokens x temperature x draft_rule)", SETTING_COLUMNS, rows)
+        ("Chain settings (one row per candidate x num_draft_tokens x temperature x draft_rule)", SETTING_COLUMNS, rows)
     )
+    if _tree_groups(report):
+        out.append(
+            (
+                "Token-tree settings (one row per candidate x tree x temperature x draft_rule)",
+                TREE_COLUMNS,
+                tree_rows(report),
+            )
+        )
     focus = focus_setting(report)
     if focus:
         by_cat = {c["name"]: (_setting_at(c, focus) or {}).get("by_category") or {} for c in report["candidates"]}
@@ -345,6 +451,18 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             )
         )
     return out
+
+
+def tree_rows(report: dict) -> list[list[str]]:
+    """Rows of the token-tree table; "speedup vs best chain" divides by the same candidate's fastest chain at the
+    same temperature and draft_rule (above 1: the tree beats every chain length measured)."""
+    rows = []
+    for c in report["candidates"]:
+        for temperature, rule in _tree_groups(report):
+            for s in _tree_settings(c, temperature, rule):
+                values = [c["name"], *(s.get(k) for k in TREE_COLUMNS[1:-1]), _speedup_vs_best_chain(c, s)]
+                rows.append([_fmt(v, k) for v, k in zip(values, TREE_COLUMNS)])
+    return rows
 
 
 def _category_cell(stats: dict | None) -> str:
@@ -442,8 +560,8 @@ def render_html(report: dict, images: dict[str, tuple[str, bytes]]) -> str:
 def write_reports(report: dict, out_dir: Path, *, tracker=None) -> dict[str, Path]:
     """Write report.md, report.html and plots/<name>.png under `out_dir`; returns {"md", "html", <plot name>: path}.
 
-    `tracker` (duck-typed: `.log_table(name, columns, rows)`, `.log_artifact(path, name, type)`) receives the
-    settings table and the report folder as an artifact.
+    `tracker` (train.tracking's `WandbTracker` or `NoOpTracker`, or anything with `.log_table(name, columns, rows)`
+    and `.log_artifact(path, name, type)`) receives the settings table and the report folder as an artifact.
     """
     out_dir = Path(out_dir)
     (out_dir / "plots").mkdir(parents=True, exist_ok=True)
@@ -466,7 +584,8 @@ def write_reports(report: dict, out_dir: Path, *, tracker=None) -> dict[str, Pat
 
 
 def log_to_tracker(report: dict, out_dir: Path, tracker) -> None:
-    """The settings table (one row per candidate x setting) and the report folder as an artifact."""
-    rows = [[c["name"]] + [s.get(k) for k in SETTING_COLUMNS[1:]] for c in report["candidates"] for s in c["settings"]]
-    tracker.log_table("eval/settings", SETTING_COLUMNS, rows)
+    """The settings table (one row per candidate x setting, chains and trees, raw values) and the report folder as
+    an artifact."""
+    rows = [[c["name"]] + [s.get(k) for k in TRACKER_COLUMNS[1:]] for c in report["candidates"] for s in c["settings"]]
+    tracker.log_table("eval/settings", TRACKER_COLUMNS, rows)
     tracker.log_artifact(out_dir, "eval-report", "eval-report")

@@ -257,6 +257,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from specdistill.pipeline import config_candidates, dist_state, print0, stage_eval
 
     overrides = list(args.overrides)
+    if args.config and "=" in args.config and not Path(args.config).is_file():  # no CONFIG, only overrides
+        args.config, overrides = None, [args.config, *overrides]
     if args.target:
         overrides.append(f"target.model={args.target}")
     if args.prompts:
@@ -277,21 +279,37 @@ def cmd_promote(args: argparse.Namespace) -> None:
     report_path = Path(args.report)
     if not report_path.is_file():
         raise UserError(f"report not found: {report_path} (written by `specdistill eval` as <out>/report.json)")
-    serving = Path(args.serving) if args.serving else _default_serving(report_path)
-    print(promote(report_path, serving, dry_run=args.dry_run, force=args.force))
+    run_config = _run_config(report_path)
+    serving = Path(args.serving) if args.serving else _default_serving(report_path, run_config)
+    # The deployment's own target wins: a report made for another model must not be promoted into its config.
+    expected = _serving_target(serving) or (run_config or {}).get("target", {}).get("model")
+    print(promote(report_path, serving, dry_run=args.dry_run, force=args.force, expected_target=expected))
 
 
-def _default_serving(report_path: Path) -> Path:
-    """The run's serving.path: <output_dir>/config.yaml next to <output_dir>/eval/report.json says where."""
+def _run_config(report_path: Path) -> dict | None:
+    """<output_dir>/config.yaml next to <output_dir>/eval/report.json, when the report came from a run."""
     import yaml
 
-    run_config = report_path.resolve().parent.parent / "config.yaml"
-    if run_config.is_file():
-        path = (yaml.safe_load(run_config.read_text()) or {}).get("serving", {}).get("path")
-        if path:
-            return Path(path)
-        return run_config.parent / "serving.yaml"
-    raise UserError(f"no run config next to {report_path} to find the serving config; pass --serving PATH")
+    path = report_path.resolve().parent.parent / "config.yaml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else None
+
+
+def _serving_target(serving: Path) -> str | None:
+    import yaml
+
+    try:
+        data = yaml.safe_load(serving.read_text()) if serving.is_file() else None
+    except yaml.YAMLError:
+        return None  # promote() refuses the broken file with its own message
+    return data.get("target") if isinstance(data, dict) else None
+
+
+def _default_serving(report_path: Path, run_config: dict | None) -> Path:
+    """The run's serving.path, else <output_dir>/serving.yaml."""
+    if run_config is None:
+        raise UserError(f"no run config next to {report_path} to find the serving config; pass --serving PATH")
+    path = (run_config.get("serving") or {}).get("path")
+    return Path(path) if path else report_path.resolve().parent.parent / "serving.yaml"
 
 
 def cmd_export(args: argparse.Namespace) -> None:

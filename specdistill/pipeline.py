@@ -124,18 +124,24 @@ def serving_path(cfg: RootConfig) -> Path:
 def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: bool = False) -> tuple[Path | None, str]:
     """Export the recommended draft to <output_dir>/export/<name> and promote it into the serving config.
 
-    Refuses a report made for another target (spec and fingerprint) and a draft whose tokenizer differs."""
+    Refuses a report made for another target (spec and fingerprint) and a draft whose tokenizer differs. A draft
+    that is not enabled (too slow or too rarely accepted) is still exported for inspection; the serving config then
+    says `enabled: false` with the reason."""
+    from eval.export import export_draft
     from eval.promote import promote
     from eval.sweep import target_fingerprint
     from specdec_runtime.loading import load_tokenizer
 
     target_model, tokenizer, _ = target or load_target(cfg, dist_state(cfg.target.device))
-    rec = json.loads(report_path.read_text()).get("recommendation") or {}
-    exported = Path(cfg.output_dir) / "export" / rec["name"] if rec.get("enabled") else None
+    report = json.loads(report_path.read_text())
+    rec = report.get("recommendation") or {}
+    exported = Path(cfg.output_dir) / "export" / rec["name"] if rec.get("draft") else None
+    if exported and not rec.get("enabled"):
+        export_draft(Path(rec["draft"]), exported, report=report)
     draft_tokenizer = load_tokenizer(rec["draft"]) if exported else None
     summary = promote(report_path, serving_path(cfg), force=force, expected_target=cfg.target.model,
                       expected_fingerprint=target_fingerprint(target_model, tokenizer), target_tokenizer=tokenizer,
-                      draft_tokenizer=draft_tokenizer, export_dir=exported)
+                      draft_tokenizer=draft_tokenizer, export_dir=exported if rec.get("enabled") else None)
     return exported, summary
 
 

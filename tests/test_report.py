@@ -1,4 +1,5 @@
-"""Eval report rendering: report.md tables, a self-contained report.html with embedded plots, W&B calls."""
+"""Eval report rendering: report.md tables, a self-contained report.html with embedded plots, W&B calls; token-tree
+settings kept out of the per-gamma chain plots and shown in their own table and plot."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import shutil
 import struct
 import subprocess
+import warnings
 import zlib
 from html.parser import HTMLParser
 
@@ -14,17 +16,32 @@ import pytest
 
 from eval.report import (
     SETTING_COLUMNS,
+    TRACKER_COLUMNS,
+    TREE_COLUMNS,
     focus_setting,
+    plot_acceptance_vs_gamma,
+    plot_by_category,
+    plot_latency,
+    plot_per_position,
+    plot_speedup_vs_gamma,
+    plot_tree_vs_chain,
     read_metrics,
     render_markdown,
     write_json_atomic,
     write_reports,
 )
+from specdec_runtime.tree import parse_tree, tree_size
+
+# Any warning (matplotlib's "No artists with labels found to put in legend" included) fails the test: users see them.
+pytestmark = pytest.mark.filterwarnings("error")
 
 CATEGORIES = {"coding": 2, "math": 1, "writing": 3}
 
 
-def make_setting(gamma: int, temperature: float, rule: str, alpha: float) -> dict:
+def make_setting(
+    gamma: int, temperature: float, rule: str, alpha: float, tree: str | None = None, nodes: int | None = None
+) -> dict:
+    """One setting as eval/sweep.py writes it; a tree setting has `tree` set and num_draft_tokens = its depth."""
     c, v = 0.2, 1.3
     tau = (1 - alpha ** (gamma + 1)) / (1 - alpha)
     predicted = tau / (gamma * c + v)
@@ -32,8 +49,10 @@ def make_setting(gamma: int, temperature: float, rule: str, alpha: float) -> dic
         "num_draft_tokens": gamma,
         "temperature": temperature,
         "draft_rule": rule,
+        "tree": tree,
         "acceptance_rate": alpha,
         "mean_accepted_length": tau,
+        "nodes_per_step": float(gamma if nodes is None else nodes),
         "per_position_acceptance": [round(alpha + 0.05 * (gamma - i) / gamma, 4) for i in range(gamma)],
         "expected_acceptance": alpha + 0.01,
         "cost_ratio": c,
@@ -61,9 +80,13 @@ def make_setting(gamma: int, temperature: float, rule: str, alpha: float) -> dic
     }
 
 
-def make_report(tmp_path, *, enabled: bool = True) -> dict:
+TREE_ALPHA = 0.97  # no chain setting has it, so a tree leaking into a chain plot or table is visible
+
+
+def make_report(tmp_path, *, enabled: bool = True, trees: tuple[str, ...] = ()) -> dict:
     """A report following the report.json contract: 2 candidates, gamma in {1, 2, 4} x (T=0 greedy, T=1 sample),
-    the first with a run_dir holding a small metrics.jsonl (and a torn last line, as a killed run leaves)."""
+    plus one setting per tree spec x (T, draft_rule) when `trees` is given; the first candidate with a run_dir
+    holding a small metrics.jsonl (and a torn last line, as a killed run leaves)."""
     run_dir = tmp_path / "candidates" / "trunc2-fkl"
     run_dir.mkdir(parents=True)
     rows = [{"step": s, "train/loss": 3.0 / s, "lr": 1e-3} for s in range(1, 9)]
@@ -77,6 +100,11 @@ def make_report(tmp_path, *, enabled: bool = True) -> dict:
         settings = [
             make_setting(g, t, r, alpha - 0.1 * t) for t, r in ((0.0, "greedy"), (1.0, "sample")) for g in (1, 2, 4)
         ]
+        for t, r in ((0.0, "greedy"), (1.0, "sample")):  # interleaved as the sweep writes them: chains, then trees
+            for spec in trees:
+                depth, nodes = tree_size(parse_tree(spec))
+                tree_alpha = TREE_ALPHA - 0.1 * t - 0.01 * nodes / 16 - 0.05 * (0.7 - alpha)
+                settings.append(make_setting(depth, t, r, tree_alpha, spec, nodes))
         candidates.append(
             {
                 "name": name,
@@ -99,6 +127,7 @@ def make_report(tmp_path, *, enabled: bool = True) -> dict:
             "num_draft_tokens": [1, 2, 4],
             "temperatures": [0.0, 1.0],
             "draft_rules": ["greedy", "sample"],
+            "trees": list(trees),
             "max_new_tokens": 64,
             "batch_size": 1,
         },
@@ -248,7 +277,9 @@ def test_tracker_gets_table_and_artifact(rendered):
     kinds = [c[0] for c in calls]
     assert kinds.count("table") == 1 and kinds.count("artifact") == 1
     _, name, columns, rows = next(c for c in calls if c[0] == "table")
-    assert len(rows) == 12 and all(len(r) == len(columns) for r in rows) and "acceptance_rate" in columns
+    assert columns == TRACKER_COLUMNS and "acceptance_rate" in columns and "tree" in columns
+    assert len(rows) == 12 and all(len(r) == len(columns) for r in rows)
+    assert {r[columns.index("tree")] for r in rows} == {None}
     trunc2 = [r for r in rows if r[0] == "trunc2-fkl"]
     speedups = sorted(r[columns.index("speedup")] for r in trunc2)
     assert speedups == sorted(s["speedup"] for s in report["candidates"][0]["settings"])
@@ -326,3 +357,104 @@ def test_missing_values_render(tmp_path):
     row = next(ln for ln in paths["md"].read_text().splitlines() if ln.startswith("| config1-tv | 4 | 0 | greedy"))
     cells = dict(zip(SETTING_COLUMNS, (c.strip() for c in row.strip("|").split("|"))))
     assert cells["speedup"] == cells["efficiency"] == cells["tpot_s"] == "-" and cells["acceptance_rate"] == "0.5"
+
+
+TREES = ("4,2,2,1", "dynamic:16")
+
+
+def line_data(fig) -> list[list[tuple]]:
+    """Per axes, every plotted line as (label, x values, y values)."""
+    return [
+        [(ln.get_label(), [float(x) for x in ln.get_xdata()], [float(y) for y in ln.get_ydata()]) for ln in ax.lines]
+        for ax in fig.axes
+    ]
+
+
+def md_table(md: str, title: str) -> list[dict]:
+    """The rows of the Markdown table under `## {title}...` as {column: cell} dicts."""
+    lines = md.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"## {title}"))
+    table = []
+    for ln in lines[start + 2 :]:
+        if not ln.startswith("|"):
+            break
+        table.append([c.strip() for c in ln.strip("|").split("|")])
+    columns, _, *rows = table
+    return [dict(zip(columns, row)) for row in rows]
+
+
+def test_chain_plots_exclude_tree_settings(tmp_path):
+    """A tree of depth 4 has num_draft_tokens=4 like the gamma=4 chain; it must not move any chain curve."""
+    chains, with_trees = make_report(tmp_path / "a"), make_report(tmp_path / "b", trees=TREES)
+    for plot in (plot_acceptance_vs_gamma, plot_speedup_vs_gamma, plot_per_position, plot_latency):
+        assert line_data(plot(with_trees)) == line_data(plot(chains)), plot.__name__
+    lines = [ln for ax in line_data(plot_acceptance_vs_gamma(with_trees)) for ln in ax]
+    assert len(lines) == 2 * 2 and all(xs == [1, 2, 4] for _, xs, _ in lines)
+    assert not any(y >= TREE_ALPHA - 0.2 for _, _, ys in lines for y in ys)  # tree alphas are 0.83..0.97
+    by_category = [[p.get_height() for p in ax.patches] for ax in plot_by_category(with_trees).axes]
+    assert by_category == [[p.get_height() for p in ax.patches] for ax in plot_by_category(chains).axes]
+    assert focus_setting(with_trees) == focus_setting(chains) == (4, 0.0, "greedy")
+    assert plot_tree_vs_chain(chains) is None
+
+
+def test_tree_table_and_plot(tmp_path):
+    report = make_report(tmp_path, trees=TREES)
+    tree_setting = report["candidates"][1]["settings"][-1]  # config1-tv, dynamic:16 at T=1 sample
+    tree_setting["speedup"] = None
+    tracker = RecordingTracker()
+    paths = write_reports(report, tmp_path / "eval", tracker=tracker)
+    md, page = paths["md"].read_text(), paths["html"].read_text()
+
+    chain_rows = md_table(md, "Chain settings")
+    assert len(chain_rows) == 12 and float(max(r["acceptance_rate"] for r in chain_rows)) < TREE_ALPHA - 0.2
+    tree_rows = md_table(md, "Token-tree settings")
+    assert list(tree_rows[0]) == TREE_COLUMNS and len(tree_rows) == 2 * 2 * len(TREES)
+    for cand in report["candidates"]:
+        for s in cand["settings"]:
+            if s["tree"] is None:
+                continue
+            (row,) = [
+                r
+                for r in tree_rows
+                if (r["candidate"], r["tree"], r["draft_rule"]) == (cand["name"], s["tree"], s["draft_rule"])
+                and float(r["temperature"]) == s["temperature"]
+            ]
+            assert float(row["nodes_per_step"]) == tree_size(parse_tree(s["tree"]))[1]
+            assert float(row["mean_accepted_length"]) == pytest.approx(s["mean_accepted_length"], rel=1e-3)
+            chains = [c for c in cand["settings"] if c["tree"] is None and c["temperature"] == s["temperature"]]
+            best = max(c["speedup"] for c in chains)
+            if s["speedup"] is None:
+                assert row["speedup"] == row["speedup vs best chain"] == "-"
+            else:
+                assert float(row["speedup vs best chain"]) == pytest.approx(s["speedup"] / best, rel=1e-3)
+                assert float(row["speedup vs best chain"]) > 1  # the synthetic trees accept far more
+    assert "Token-tree settings" in page and "<td>dynamic:16</td>" in page and "<td>4,2,2,1</td>" in page
+
+    assert "tree_vs_chain" in paths and png_size(paths["tree_vs_chain"].read_bytes())[0] > 200
+    assert "(plots/tree_vs_chain.png)" in md and 'id="tree_vs_chain"' in page
+    assert page.count("data:image/png;base64,") == 7  # the 6 chain / training plots + tree vs chain
+    # bars at T=0 greedy (the recommendation): each candidate's fastest chain, then each tree in sweep order
+    tau_ax, speedup_ax = plot_tree_vs_chain(report).axes
+    for cand, taus, speedups in zip(report["candidates"], tau_ax.containers, speedup_ax.containers):
+        at = [s for s in cand["settings"] if s["temperature"] == 0.0]
+        best = max((s for s in at if s["tree"] is None), key=lambda s: s["speedup"])
+        expected = [best, *(s for s in at if s["tree"] is not None)]
+        assert [b.get_height() for b in taus] == pytest.approx([s["mean_accepted_length"] for s in expected])
+        assert [b.get_height() for b in speedups] == pytest.approx([s["speedup"] for s in expected])
+
+    (_, _, columns, rows) = next(c for c in tracker.calls if c[0] == "table")
+    assert len(rows) == 12 + 2 * 2 * len(TREES)
+    assert sorted({r[columns.index("tree")] for r in rows}, key=str) == sorted([None, *TREES], key=str)
+    nodes = {r[columns.index("tree")]: r[columns.index("nodes_per_step")] for r in rows}
+    assert nodes["4,2,2,1"] == 44 and nodes["dynamic:16"] == 16
+
+
+def test_training_curves_without_validation_render_without_warnings(tmp_path):
+    """A run with no validation rows leaves the second training panel empty: no legend there, and no warning."""
+    report = make_report(tmp_path)
+    rows = [{"step": s, "train/loss": 3.0 / s} for s in range(1, 5)]
+    (tmp_path / "candidates" / "trunc2-fkl" / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = write_reports(report, tmp_path / "eval")
+    assert "training_curves" in paths and png_size(paths["training_curves"].read_bytes())[0] > 200

@@ -1,4 +1,5 @@
-"""Experiment tracking: offline W&B runs hold the logged metrics and no secrets; the no-op tracker elsewhere."""
+"""Experiment tracking: offline W&B runs hold the logged metrics, eval tables and no secrets; the no-op tracker
+elsewhere."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import time
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
+from test_report import make_report
 from test_train import tiny_setup, train_config
 
+from eval.report import TRACKER_COLUMNS, write_reports
 from train.config import TrackingConfig
 from train.tracking import NoOpTracker, is_secret_key, make_tracker, resolve_mode, strip_secrets
 
@@ -123,3 +126,35 @@ def test_distill_logs_training_and_validation_to_wandb(tmp_path, isolated_cache)
         ):
             assert (step, key) in logged
     assert [(a.name, a.type) for a in artifacts] == [("run-draft-best", "model")]
+
+
+def test_eval_report_table_reaches_offline_wandb_run(tmp_path, monkeypatch):
+    """write_reports(tracker=WandbTracker): the settings table (chains and trees) lands in the run as a wandb.Table.
+
+    2 candidates x 2 (temperature, draft_rule) x (3 gammas + 1 tree) = 16 rows."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    report = make_report(tmp_path / "sweep", trees=("2,2",))
+    tracker = make_tracker(TrackingConfig(mode="offline"), tmp_path / "run", {}, is_main=True, name="eval")
+    tracker.log({"train/loss": 1.5}, step=3)  # a table after step-numbered metrics goes to the current step
+    write_reports(report, tmp_path / "eval", tracker=tracker)
+    tracker.finish()
+
+    history, artifacts, _ = offline_run(tmp_path / "run")
+    # a logged table is a history row of nested keys (eval/settings/_type, .../path, ...) pointing at a JSON file
+    (row,) = [r for r in history if "eval/settings/_type" in r]
+    ref = {k.removeprefix("eval/settings/"): v for k, v in row.items() if k.startswith("eval/settings/")}
+    assert ref["_type"] == "table-file" and ref["nrows"] == 12 + 2 * 2 and row["_step"] == 3
+    (files,) = (tmp_path / "run").glob("wandb/offline-run-*/files")
+    table = json.loads((files / ref["path"]).read_text())
+    assert table["columns"] == TRACKER_COLUMNS
+    keys = ("candidate", "tree", "num_draft_tokens", "temperature", "speedup", "nodes_per_step")
+    got = [tuple(values[TRACKER_COLUMNS.index(k)] for k in keys) for values in table["data"]]
+    expected = [(c["name"], *(s[k] for k in keys[1:])) for c in report["candidates"] for s in c["settings"]]
+    assert sorted(got, key=repr) == sorted(expected, key=repr)
+    assert sorted(a.type for a in artifacts) == ["eval-report", "run_table"]  # W&B stores a table as an artifact too
+    assert [a.name for a in artifacts if a.type == "eval-report"] == ["eval-report"]
+
+
+def test_no_op_tracker_takes_the_eval_report(tmp_path):
+    paths = write_reports(make_report(tmp_path / "sweep"), tmp_path / "eval", tracker=NoOpTracker())
+    assert paths["html"].is_file() and not list(tmp_path.rglob("wandb"))

@@ -2,6 +2,7 @@
 
     tracker = make_tracker(cfg.tracking, run_dir, dump_config(cfg), accelerator.is_main_process, name="quick-fkl")
     tracker.log({"train/loss": 1.9}, step=10)
+    tracker.log_table("eval/settings", ["candidate", "speedup"], [["trunc4-fkl", 1.8]])
     tracker.log_artifact(run_dir / "best", name="quick-fkl-best", type="model")
     tracker.finish()
 
@@ -47,6 +48,9 @@ class NoOpTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         pass
 
+    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        pass
+
     def log_artifact(self, path: Path, name: str, type: str) -> None:
         pass
 
@@ -62,6 +66,12 @@ class WandbTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        """One `wandb.Table` under `name`, at the run's current step (a table is a summary, not a curve)."""
+        import wandb
+
+        self.run.log({name: wandb.Table(columns=columns, data=rows)})
 
     def log_artifact(self, path: Path, name: str, type: str) -> None:
         import wandb

@@ -1,0 +1,206 @@
+"""`specdistill run` end to end on configs/smoke.yaml, from the CLI, plus the eval/promote/export commands' bad input.
+
+One smoke run is shared by the module: its first attempt fails at the eval stage (a missing prompt file), the second
+continues without redoing data generation or distillation. The outputs of that run are then checked file by file.
+"""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, env, cwd, check=True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "specdistill", *map(str, args)], capture_output=True, text=True,
+                       env=env, cwd=cwd)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    return {**os.environ, "SPECDISTILL_CACHE": str(home / "cache"), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, env):
+    """(output_dir, first attempt, second attempt, mtimes of best/ after the first)."""
+    out = tmp_path_factory.mktemp("smoke") / "run"
+    base = [ROOT / "configs" / "smoke.yaml", f"output_dir={out}"]
+    failed = cli("run", *base, "eval.prompts=does/not/exist.jsonl", env=env, cwd=ROOT, check=False)
+    best_mtimes = {p: p.stat().st_mtime for p in sorted(out.glob("candidates/*/best/model.safetensors"))}
+    resumed = cli("run", *base, env=env, cwd=ROOT)
+    return out, failed, resumed, best_mtimes
+
+
+def test_failed_stage_then_resume_continues(smoke_run):
+    out, failed, resumed, best_mtimes = smoke_run
+    assert failed.returncode == 2
+    assert "does/not/exist.jsonl" in failed.stderr and "Traceback" not in failed.stderr
+    assert len(best_mtimes) == 2, "data and distill finished before the eval stage failed"
+    assert "cached" in resumed.stdout or "cached" in resumed.stderr, "teacher data was reused"
+    for path, mtime in best_mtimes.items():
+        assert path.stat().st_mtime == mtime, f"{path} was retrained on resume"
+    assert "specdistill run: done" in resumed.stdout
+    for needle in ("report:", "exported draft:", "serving config:"):
+        assert needle in resumed.stdout
+
+
+def test_run_layout(smoke_run):
+    out = smoke_run[0]
+    for rel in ("config.yaml", "eval/report.json", "eval/report.md", "eval/report.html", "serving.yaml"):
+        assert (out / rel).is_file(), rel
+    done = sorted(p.parent.name.rsplit("-", 1)[0] for p in (out / "data").glob("*/.complete"))
+    assert done == ["teacher", "teacher-eval"], done
+    for name in ("fkl", "tv-cache"):
+        assert (out / "candidates" / name / "best" / "model.safetensors").is_file()
+        assert (out / "candidates" / name / "metrics.jsonl").is_file()
+        assert list((out / "candidates" / name / "wandb").glob("offline-run-*")), "an offline W&B run was written"
+
+
+def test_report_keys_and_ranges(smoke_run):
+    report = json.loads((smoke_run[0] / "eval" / "report.json").read_text())
+    assert report["target"] == "random:tiny-llama" and len(report["target_fingerprint"]) == 16
+    assert report["prompts"]["count"] == 4
+    assert {c["name"] for c in report["candidates"]} == {"fkl", "tv-cache"}
+    for cand in report["candidates"]:
+        assert 0 <= cand["expected_acceptance"] <= 1
+        # T=0 runs only the greedy rule (identical to sample there): 2 gammas x (T0 greedy, T1 greedy, T1 sample)
+        assert len(cand["settings"]) == 6
+        for s in cand["settings"]:
+            assert 0 <= s["acceptance_rate"] <= 1 and 1 <= s["mean_accepted_length"] <= s["num_draft_tokens"] + 1
+            assert len(s["per_position_acceptance"]) == s["num_draft_tokens"]
+            assert 0 <= s["expected_acceptance"] <= 1
+            assert s["speedup"] > 0 and s["predicted_speedup"] > 0 and s["cost_ratio"] > 0
+            assert s["ttft_s"] > 0 and s["tokens_per_s"] > 0 and s["peak_memory_bytes"] > 0
+            assert sum(v["count"] for v in s["by_category"].values()) == 4
+            assert set(s["by_length"]) <= {"short", "medium", "long"}
+    rec = report["recommendation"]
+    assert {"draft", "num_draft_tokens", "draft_rule", "temperature", "enabled", "reason"} <= set(rec)
+    assert rec["temperature"] == 0.0 and rec["draft_rule"] == "greedy"
+    assert rec["enabled"] == (rec["measured"]["speedup"] > 1), rec["reason"]
+
+
+def test_html_is_self_contained(smoke_run):
+    text = (smoke_run[0] / "eval" / "report.html").read_text()
+
+    class Collect(html.parser.HTMLParser):
+        srcs: list[str] = []
+
+        def handle_starttag(self, tag, attrs):
+            self.srcs += [v for k, v in attrs if k in ("src", "href") and v]
+
+    parser = Collect()
+    parser.feed(text)
+    assert sum(s.startswith("data:image/png;base64,") for s in parser.srcs) >= 5
+    assert not [s for s in parser.srcs if s.startswith(("http", "//"))]
+
+
+def test_serving_config_and_export(smoke_run):
+    from transformers import AutoModelForCausalLM
+
+    out = smoke_run[0]
+    serving = yaml.safe_load((out / "serving.yaml").read_text())
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert serving["target"] == "random:tiny-llama"
+    assert serving["speculative"]["enabled"] == report["recommendation"]["enabled"]
+    assert len(serving["history"]) == 1
+    exported = out / "export" / report["recommendation"]["name"]
+    assert (exported / "README.md").is_file() and (exported / "model.safetensors").is_file()
+    assert not list(exported.glob("optimizer*")), "the export is the draft alone"
+    draft = AutoModelForCausalLM.from_pretrained(exported)
+    source = AutoModelForCausalLM.from_pretrained(report["recommendation"]["draft"])
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(draft(ids).logits, source(ids).logits)
+
+
+def test_rerun_is_a_no_op_and_promote_keeps_history(smoke_run, env):
+    out = smoke_run[0]
+    report = out / "eval" / "report.json"
+    again = cli("run", ROOT / "configs" / "smoke.yaml", f"output_dir={out}", env=env, cwd=ROOT)
+    assert "eval: up to date" in again.stdout
+    dry = cli("promote", report, "--dry-run", env=env, cwd=ROOT)
+    assert dry.stdout.startswith("---") or dry.stdout.strip() == "" or "+++" in dry.stdout
+    assert len(yaml.safe_load((out / "serving.yaml").read_text())["history"]) == 2, "run promoted once more"
+
+
+# --- bad input -------------------------------------------------------------------------------------------------------
+
+
+def test_promote_refuses_a_report_for_another_target(smoke_run, env, tmp_path):
+    serving = tmp_path / "serving.yaml"
+    serving.write_text("target: meta-llama/Llama-3.1-8B-Instruct\n")
+    r = cli("promote", smoke_run[0] / "eval" / "report.json", "--serving", serving, env=env, cwd=ROOT, check=False)
+    assert r.returncode == 2 and "was made for target 'random:tiny-llama'" in r.stderr
+    assert serving.read_text() == "target: meta-llama/Llama-3.1-8B-Instruct\n"
+
+
+def test_promote_never_overwrites_invalid_yaml_silently(smoke_run, env, tmp_path):
+    serving = tmp_path / "serving.yaml"
+    serving.write_text("speculative: [unclosed\n")
+    report = smoke_run[0] / "eval" / "report.json"
+    r = cli("promote", report, "--serving", serving, env=env, cwd=ROOT, check=False)
+    assert r.returncode == 2 and "--force" in r.stderr.replace("force=True", "--force")
+    assert serving.read_text() == "speculative: [unclosed\n"
+    cli("promote", report, "--serving", serving, "--force", env=env, cwd=ROOT)
+    assert yaml.safe_load(serving.read_text())["target"] == "random:tiny-llama"
+
+
+def test_eval_bad_inputs(env, tmp_path, smoke_run):
+    no_weights = tmp_path / "draft"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text("{}")
+    r = cli("eval", "--target", "random:tiny-llama", "--drafts", no_weights, "--out", tmp_path / "e", env=env,
+            cwd=ROOT, check=False)
+    assert r.returncode == 2 and "has no weights" in r.stderr
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "no accepted field here"}) + "\n")
+    best = smoke_run[0] / "candidates" / "fkl" / "best"
+    r = cli("eval", "--target", "random:tiny-llama", "--drafts", best, "--prompts", bad, "--out", tmp_path / "e",
+            env=env, cwd=ROOT, check=False)
+    assert r.returncode == 2 and "prompt" in r.stderr and "messages" in r.stderr and "turns" in r.stderr
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    r = cli("eval", "--target", "random:tiny-llama", "--drafts", best, "--prompts", empty, "--out", tmp_path / "e",
+            env=env, cwd=ROOT, check=False)
+    assert r.returncode == 2 and ("empty" in r.stderr or "no prompts" in r.stderr)
+
+
+def test_eval_spec_bench_file_by_category(env, tmp_path, smoke_run):
+    spec_bench = tmp_path / "question.jsonl"
+    rows = [{"question_id": i, "category": cat, "turns": [f"Tell me about {cat} number {i}.", "And more?"]}
+            for i, cat in enumerate(["writing", "math", "writing", "coding"])]
+    spec_bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = smoke_run[0] / "candidates" / "fkl"
+    cli("eval", "--target", "random:tiny-llama", "--drafts", run_dir, "--prompts", spec_bench, "--out",
+        tmp_path / "e", "eval.num_draft_tokens=[2]", "eval.temperatures=[0.0]", "eval.max_new_tokens=8",
+        "eval.max_prompts=0", env=env, cwd=ROOT)
+    report = json.loads((tmp_path / "e" / "report.json").read_text())
+    names = [c["name"] for c in report["candidates"]]
+    assert names[0] == "fkl" and any("@step-" in n for n in names), "a run dir gives best/ and its kept checkpoints"
+    by_cat = report["candidates"][0]["settings"][0]["by_category"]
+    assert by_cat["writing"]["count"] == 2 and set(by_cat) == {"writing", "math", "coding"}
+
+
+def test_cli_help_lists_only_working_commands(env):
+    r = cli("--help", env=env, cwd=ROOT)
+    commands = ["config", "generate", "bench", "data", "distill", "eval", "promote", "export", "run"]
+    for name in commands:
+        assert name in r.stdout
+        sub = cli(name, "--help", env=env, cwd=ROOT)
+        assert "example:" in sub.stdout, f"`specdistill {name} --help` shows an example"
