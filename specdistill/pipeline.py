@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill.config import RootConfig, candidate_config, candidate_names, save_resolved
+from specdistill.config import RootConfig, candidate_config, candidate_names, save_resolved, to_dict
 
 
 @dataclass
@@ -95,10 +95,11 @@ def eval_prompts(source: str, tokenizer, limit: int):
     return [EvalPrompt(id=r.id, category=r.category, ids=render_chat(tokenizer, r.messages)) for r in records]
 
 
-def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target=None, tracker=None) -> Path:
+def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target=None) -> Path:
     """Sweep every candidate against target-only decoding; write report.json/md/html; returns report.json."""
     from eval.report import write_reports
     from eval.sweep import evaluate, recommend, save_report
+    from train.tracking import make_tracker
 
     target_model, tokenizer, _ = target or load_target(cfg, dist)
     prompts = eval_prompts(cfg.eval.prompts, tokenizer, cfg.eval.max_prompts)
@@ -112,7 +113,9 @@ def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target
                                              min_acceptance=cfg.serving.min_acceptance)
         report["eval_config"] = json.loads(json.dumps(cfg.eval.__dict__))
         save_report(report, out_dir)
-        write_reports(report, out_dir, tracker=tracker)
+        tracker = make_tracker(cfg.tracking, out_dir, to_dict(cfg), True, name=f"{Path(cfg.output_dir).name}-eval")
+        write_reports(report, out_dir, tracker=tracker)  # W&B: the settings table and the report folder
+        tracker.finish()
     dist.barrier()
     return path
 

@@ -6,12 +6,15 @@ continues without redoing data generation or distillation. The outputs of that r
 
 from __future__ import annotations
 
+import contextlib
 import html.parser
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,11 +23,30 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cli(*args, env, cwd, check=True) -> subprocess.CompletedProcess:
+def cli(*args, env, cwd, check=True):
+    """The real command line, in a subprocess (the `run` attempts: what a user types)."""
     r = subprocess.run([sys.executable, "-m", "specdistill", *map(str, args)], capture_output=True, text=True,
                        env=env, cwd=cwd)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def cli_here(*args, env, cwd=None, check=True):
+    """The same entry point in this process: the commands' error handling without paying the imports again."""
+    from specdistill.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        for key in ("SPECDISTILL_CACHE", "WANDB_MODE", "HF_HUB_OFFLINE"):
+            mp.setenv(key, env[key])
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:  # argparse: --help and usage errors
+            rc = e.code or 0
+    r = SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
+    if check:
+        assert rc == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
 
@@ -69,6 +91,7 @@ def test_run_layout(smoke_run):
         assert (out / "candidates" / name / "best" / "model.safetensors").is_file()
         assert (out / "candidates" / name / "metrics.jsonl").is_file()
         assert list((out / "candidates" / name / "wandb").glob("offline-run-*")), "an offline W&B run was written"
+    assert list((out / "eval" / "wandb").glob("offline-run-*")), "the eval tables went to W&B too"
 
 
 def test_report_keys_and_ranges(smoke_run):
@@ -132,7 +155,7 @@ def test_rerun_is_a_no_op_and_promote_keeps_history(smoke_run, env):
     report = out / "eval" / "report.json"
     again = cli("run", ROOT / "configs" / "smoke.yaml", f"output_dir={out}", env=env, cwd=ROOT)
     assert "eval: up to date" in again.stdout
-    dry = cli("promote", report, "--dry-run", env=env, cwd=ROOT)
+    dry = cli_here("promote", report, "--dry-run", env=env, cwd=ROOT)
     assert dry.stdout.startswith("---") or dry.stdout.strip() == "" or "+++" in dry.stdout
     assert len(yaml.safe_load((out / "serving.yaml").read_text())["history"]) == 2, "run promoted once more"
 
@@ -143,7 +166,7 @@ def test_rerun_is_a_no_op_and_promote_keeps_history(smoke_run, env):
 def test_promote_refuses_a_report_for_another_target(smoke_run, env, tmp_path):
     serving = tmp_path / "serving.yaml"
     serving.write_text("target: meta-llama/Llama-3.1-8B-Instruct\n")
-    r = cli("promote", smoke_run[0] / "eval" / "report.json", "--serving", serving, env=env, cwd=ROOT, check=False)
+    r = cli_here("promote", smoke_run[0] / "eval" / "report.json", "--serving", serving, env=env, cwd=ROOT, check=False)
     assert r.returncode == 2 and "was made for target 'random:tiny-llama'" in r.stderr
     assert serving.read_text() == "target: meta-llama/Llama-3.1-8B-Instruct\n"
 
@@ -152,10 +175,10 @@ def test_promote_never_overwrites_invalid_yaml_silently(smoke_run, env, tmp_path
     serving = tmp_path / "serving.yaml"
     serving.write_text("speculative: [unclosed\n")
     report = smoke_run[0] / "eval" / "report.json"
-    r = cli("promote", report, "--serving", serving, env=env, cwd=ROOT, check=False)
+    r = cli_here("promote", report, "--serving", serving, env=env, cwd=ROOT, check=False)
     assert r.returncode == 2 and "--force" in r.stderr.replace("force=True", "--force")
     assert serving.read_text() == "speculative: [unclosed\n"
-    cli("promote", report, "--serving", serving, "--force", env=env, cwd=ROOT)
+    cli_here("promote", report, "--serving", serving, "--force", env=env, cwd=ROOT)
     assert yaml.safe_load(serving.read_text())["target"] == "random:tiny-llama"
 
 
@@ -163,20 +186,20 @@ def test_eval_bad_inputs(env, tmp_path, smoke_run):
     no_weights = tmp_path / "draft"
     no_weights.mkdir()
     (no_weights / "config.json").write_text("{}")
-    r = cli("eval", "--target", "random:tiny-llama", "--drafts", no_weights, "--out", tmp_path / "e", env=env,
+    r = cli_here("eval", "--target", "random:tiny-llama", "--drafts", no_weights, "--out", tmp_path / "e", env=env,
             cwd=ROOT, check=False)
     assert r.returncode == 2 and "has no weights" in r.stderr
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "no accepted field here"}) + "\n")
     best = smoke_run[0] / "candidates" / "fkl" / "best"
-    r = cli("eval", "--target", "random:tiny-llama", "--drafts", best, "--prompts", bad, "--out", tmp_path / "e",
+    r = cli_here("eval", "--target", "random:tiny-llama", "--drafts", best, "--prompts", bad, "--out", tmp_path / "e",
             env=env, cwd=ROOT, check=False)
     assert r.returncode == 2 and "prompt" in r.stderr and "messages" in r.stderr and "turns" in r.stderr
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    r = cli("eval", "--target", "random:tiny-llama", "--drafts", best, "--prompts", empty, "--out", tmp_path / "e",
+    r = cli_here("eval", "--target", "random:tiny-llama", "--drafts", best, "--prompts", empty, "--out", tmp_path / "e",
             env=env, cwd=ROOT, check=False)
     assert r.returncode == 2 and ("empty" in r.stderr or "no prompts" in r.stderr)
 
@@ -187,7 +210,7 @@ def test_eval_spec_bench_file_by_category(env, tmp_path, smoke_run):
             for i, cat in enumerate(["writing", "math", "writing", "coding"])]
     spec_bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = smoke_run[0] / "candidates" / "fkl"
-    cli("eval", "--target", "random:tiny-llama", "--drafts", run_dir, "--prompts", spec_bench, "--out",
+    cli_here("eval", "--target", "random:tiny-llama", "--drafts", run_dir, "--prompts", spec_bench, "--out",
         tmp_path / "e", "eval.num_draft_tokens=[2]", "eval.temperatures=[0.0]", "eval.max_new_tokens=8",
         "eval.max_prompts=0", env=env, cwd=ROOT)
     report = json.loads((tmp_path / "e" / "report.json").read_text())
@@ -198,9 +221,9 @@ def test_eval_spec_bench_file_by_category(env, tmp_path, smoke_run):
 
 
 def test_cli_help_lists_only_working_commands(env):
-    r = cli("--help", env=env, cwd=ROOT)
+    r = cli_here("--help", env=env, cwd=ROOT)
     commands = ["config", "generate", "bench", "data", "distill", "eval", "promote", "export", "run"]
     for name in commands:
         assert name in r.stdout
-        sub = cli(name, "--help", env=env, cwd=ROOT)
+        sub = cli_here(name, "--help", env=env, cwd=ROOT, check=False)
         assert "example:" in sub.stdout, f"`specdistill {name} --help` shows an example"
