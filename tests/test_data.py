@@ -177,6 +177,7 @@ generate_teacher_data(teacher, tokenizer, cfg, Path(sys.argv[2]), teacher_id="ra
 """
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_loss_or_duplicates(tiny, tmp_path, monkeypatch):
     cfg = make_cfg(tmp_path, n_train=10, batch_size=2, shard_size=2, teacher_cache=True, teacher_cache_top_k=4)
     killed = tmp_path / "killed"

@@ -1,3 +1,4 @@
+import pytest
 """Two CPU processes (torchrun, gloo) with the same global batch as one process take the same optimizer steps.
 
 The two-process run also stops after 2 steps and resumes for a third, so checkpointing under DDP (optimizer state,
@@ -24,6 +25,7 @@ from test_train import (
 COMMON = ("train.warmup_steps=0", "train.min_lr_ratio=1.0", "train.eval_every=2", "train.keep_last=1")
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, isolated_cache):
     from train.loop import distill
 

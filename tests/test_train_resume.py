@@ -56,6 +56,7 @@ def assert_matches_reference(cand: Path, reference: Path) -> None:
     assert_same_logs(metric_rows(cand), metric_rows(reference))
 
 
+@pytest.mark.slow
 def test_sigkilled_run_resumes_to_the_same_result(reference, tmp_path):
     from train.loop import distill
 
