@@ -1,4 +1,3 @@
-import pytest
 """Two CPU processes (torchrun, gloo) with the same global batch as one process take the same optimizer steps.
 
 The two-process run also stops after 2 steps and resumes for a third, so checkpointing under DDP (optimizer state,
@@ -12,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from test_train import (
     TESTS,
     assert_same_logs,
