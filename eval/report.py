@@ -19,14 +19,14 @@ import html
 import io
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+
+from eval.promote import write_atomic
 
 SETTING_COLUMNS = [
     "candidate",
@@ -78,20 +78,10 @@ figcaption { font-size: .85rem; color: #59636e; }
 
 
 def write_json_atomic(obj, path: Path) -> Path:
-    """Write `obj` as JSON to `path` through a temp file in the same folder + fsync + rename: readers see the old
-    file or the new one, never half of one."""
+    """Write `obj` as JSON through `eval.promote.write_atomic`: readers see the old file or the new one, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(obj, indent=2))
     return path
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import resource
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -395,8 +394,6 @@ def recommend(report: dict, *, temperature: float, draft_rule: str, min_acceptan
 
 def save_report(report: dict, out_dir: Path) -> Path:
     """report.json, written atomically."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path, tmp = out_dir / "report.json", out_dir / f".report.json.tmp-{time.time_ns()}"
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(path)
-    return path
+    from eval.report import write_json_atomic
+
+    return write_json_atomic(report, out_dir / "report.json")

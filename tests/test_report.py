@@ -295,7 +295,7 @@ def test_write_json_atomic_replaces_and_leaves_no_temp(tmp_path, monkeypatch):
     def crash(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr("eval.report.os.replace", crash)
+    monkeypatch.setattr("eval.promote.os.replace", crash)
     with pytest.raises(OSError, match="disk full"):
         write_json_atomic({"a": 2}, path)
     assert json.loads(path.read_text()) == {"a": 1}
