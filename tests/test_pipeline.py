@@ -227,3 +227,22 @@ def test_cli_help_lists_only_working_commands(env):
         assert name in r.stdout
         sub = cli_here(name, "--help", env=env, cwd=ROOT, check=False)
         assert "example:" in sub.stdout, f"`specdistill {name} --help` shows an example"
+
+
+@pytest.mark.slow
+def test_eval_split_over_two_processes_matches_one(env, tmp_path, smoke_run):
+    """torchrun, 2 CPU processes (gloo): prompts are split, counters merged on rank 0; at T=0 the pooled counts
+    equal a 1-process run's exactly (same tokens, same accept decisions)."""
+    best = smoke_run[0] / "candidates" / "fkl" / "best"
+    args = ["eval", "eval.num_draft_tokens=[2]", "eval.temperatures=[0.0]", "eval.max_new_tokens=8",
+            "eval.max_prompts=4", "tracking.backend=none", "--target", "random:tiny-llama", "--drafts", best]
+    cli_here(*args, "--out", tmp_path / "one", env=env)
+    two = subprocess.run(["torchrun", "--nproc_per_node", "2", "-m", "specdistill", *map(str, args), "--out",
+                          tmp_path / "two"], capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"},
+                         cwd=ROOT)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_r, two_r = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
+    assert two_r["prompts"]["count"] == one_r["prompts"]["count"] == 4
+    s1, s2 = one_r["candidates"][0]["settings"][0], two_r["candidates"][0]["settings"][0]
+    for key in ("acceptance_rate", "mean_accepted_length", "new_tokens", "target_forwards"):
+        assert s2[key] == pytest.approx(s1[key]), key
