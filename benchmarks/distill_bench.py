@@ -1,0 +1,458 @@
+"""One distillation step, ours vs TRL's GKDTrainer: response tokens/s and peak memory on the same pair and data.
+
+Teacher: the embedded SmolLM2-135M-Instruct (30 layers). Student: its 4-layer truncation (evenly spaced layers).
+Data: a fixed set of builtin training prompts, each answered by the teacher with exactly --response-tokens tokens
+(stop tokens ignored, so every step scores the same number of tokens), generated once (~3 minutes) and cached under
+--out. Both trainers run the same objective (generalized JSD, beta 0.5, or forward KL), off-policy (lmbda 0), fp32
+on the CPU, with the same batch size, lr schedule (cosine from --lr to 0, no warm-up), gradient clipping and batches
+in the same order (TRL's dataset is put in our loop's first-epoch order and read sequentially); the per-step losses
+of the two are printed side by side as a check that they optimise the same thing.
+
+Each trainer runs in its own subprocess, so its peak RSS is its own: ours is `train.loop.distill` itself, TRL's is
+`GKDTrainer.train()` under a python that has trl (a separate venv). Throughput is response tokens / wall time of the
+steps after --warmup untimed ones, also given for the fastest step (load from other processes only adds time).
+Peak RSS (training) is VmHWM right after the last step (ours: when the loop starts its closing validation; TRL: at
+the last on_step_end); peak RSS (process) is at exit, after ours' validation and checkpoint. --profile times one
+step's phases on one batch in a third process, with the RSS growth of each trainer's loss.
+
+    python -m venv --system-site-packages /tmp/trlvenv && /tmp/trlvenv/bin/pip install --no-deps trl
+    python benchmarks/distill_bench.py --profile --json distill_bench.json          # CPU, ~3 minutes + data once
+    python benchmarks/distill_bench.py --batch-size 2 --steps 2 --objective forward_kl   # quicker
+
+CPU only by design (fp32 is what both trainers run on a CPU; on a GPU both would autocast to bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import torch
+
+from distill.data import COMPLETE, TeacherData, features, load_teacher_data
+from distill.prompts import load_prompts, render_chat
+from distill.students import evenly_spaced_layers, truncate_student
+from specdec_runtime.engine import SamplingParams, generate
+from specdec_runtime.loading import load_model
+from train.loop import epoch_order
+
+TEACHER = "embedded:smollm2-135m-instruct"
+SEED = 0
+IGNORE = -100
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far (VmHWM), in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0), so the next peak_rss_mb() is the peak of what follows."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def bench_data(out: Path, *, num_seqs: int, response_tokens: int, batch: int = 16) -> TeacherData:
+    """The fixed bench set (train: `num_seqs` rows; eval: its first 2 rows, for the loop's closing validation)."""
+    root = out / f"data-{num_seqs}x{response_tokens}-seed{SEED}"
+    data = TeacherData(train=root / "train", eval=root / "eval")
+    if (data.train / COMPLETE).is_file() and (data.eval / COMPLETE).is_file():
+        return data
+    teacher, tokenizer = load_model(TEACHER, device="cpu")
+    records = load_prompts("builtin:train", limit=num_seqs)
+    prompts = [render_chat(tokenizer, r.messages) for r in records]
+    responses = []
+    for start in range(0, len(prompts), batch):
+        result = generate(
+            teacher,
+            None,
+            prompts[start : start + batch],
+            sampling=SamplingParams(temperature=0.7, top_p=0.95),
+            max_new_tokens=response_tokens,
+            generator=torch.Generator().manual_seed(SEED * 1000 + start),
+        )  # no stop_token_ids: every response is exactly response_tokens long
+        responses += result.tokens
+    rows = {
+        "id": [f"{r.id}#0" for r in records],
+        "category": [r.category for r in records],
+        "input_ids": [p + t for p, t in zip(prompts, responses)],
+        "prompt_len": [len(p) for p in prompts],
+    }
+    ds = datasets.Dataset.from_dict(rows, features=features(None))
+    for path, split in ((data.train, ds), (data.eval, ds.select(range(2)))):
+        split.save_to_disk(str(path))
+        (path / COMPLETE).touch()
+    return data
+
+
+def step_tokens(ds: datasets.Dataset, order: list[int], batch_size: int, steps: int) -> list[int]:
+    """Response tokens scored in each of the first `steps` batches of `order` (nothing is truncated)."""
+    lengths = [len(ids) - p for ids, p in zip(ds["input_ids"], ds["prompt_len"])]
+    return [sum(lengths[i] for i in order[s * batch_size : (s + 1) * batch_size]) for s in range(steps)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trainers (each runs in its own subprocess: --child ours | trl | profile)
+
+
+def run_ours(args, data: TeacherData) -> dict:
+    """train.loop.distill with log_every=1: each step's tokens/s comes from the loop's own metrics.jsonl."""
+    import train.loop as loop
+    from specdistill.config import load_config
+
+    total = args.warmup + args.steps
+    ds = load_teacher_data(data.train)
+    objective = "{jsd: 1.0}" if args.objective == "jsd" else "{forward_kl: 1.0}"
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={args.out / 'ours'}",
+            f"seed={SEED}",
+            f"target.model={TEACHER}",
+            "target.device=cpu",
+            "draft.init=truncate",
+            f"draft.num_layers={args.student_layers}",
+            f"distill.objective={objective}",
+            "distill.beta=0.5",
+            "distill.lmbda=0.0",
+            f"train.max_steps={total}",
+            f"train.batch_size={args.batch_size}",
+            "train.grad_accum=1",
+            f"train.max_seq_len={max(len(x) for x in ds['input_ids'])}",
+            f"train.lr={args.lr}",
+            "train.warmup_steps=0",
+            "train.min_lr_ratio=0.0",
+            "train.max_grad_norm=1.0",
+            f"train.eval_every={total}",
+            f"train.save_every={total}",
+            "train.keep_last=1",
+            "train.log_every=1",
+            "train.resume=false",
+            "tracking.backend=none",
+        ],
+    )
+    marks = {}
+    evaluate = loop.evaluate
+
+    def evaluate_after_training(*a, **kw):
+        # The loop validates once, after its last step: the peak so far is that of loading plus training.
+        marks.setdefault("peak_rss_mb", peak_rss_mb())
+        return evaluate(*a, **kw)
+
+    loop.evaluate = evaluate_after_training
+    cand = loop.distill(cfg, "bench", data)
+    rows = [json.loads(line) for line in (cand / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "train/loss" in row]
+    tokens = step_tokens(ds, epoch_order(len(ds), SEED, 0), args.batch_size, total)
+    return {
+        "step_s": [n / row["train/tokens_per_s"] for n, row in zip(tokens, rows)],
+        "loss": [row["train/loss"] for row in rows],
+        "peak_rss_mb": marks["peak_rss_mb"],
+        "process_peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def collate_trl(rows: list[dict], *, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch in TRL's convention: labels = input_ids on response tokens, -100 elsewhere (TRL shifts)."""
+    T = max(len(row["input_ids"]) for row in rows)
+    input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, IGNORE)
+    for b, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids[b, :n] = torch.tensor(row["input_ids"])
+        attention_mask[b, :n] = 1
+        labels[b, row["prompt_len"] : n] = input_ids[b, row["prompt_len"] : n]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def gkd_config(args, total: int):
+    from trl.experimental.gkd import GKDConfig
+
+    return GKDConfig(
+        output_dir=str(args.out / "trl"),
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=total,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lmbda=0.0,  # off-policy, as ours
+        beta=0.5 if args.objective == "jsd" else 0.0,  # TRL's beta=0 is forward KL(p || q)
+        seq_kd=False,
+        gradient_checkpointing=False,  # SFTConfig turns it on by default; ours does not checkpoint the model
+        bf16=False,  # SFTConfig's default; fp32 like ours
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        seed=SEED,
+        disable_tqdm=True,
+    )
+
+
+def run_trl(args, data: TeacherData) -> dict:
+    """GKDTrainer.train() with a callback that clocks each step and reads the peak RSS after the last one."""
+    from transformers import TrainerCallback
+    from trl.experimental.gkd import GKDTrainer
+
+    total = args.warmup + args.steps
+    teacher, tokenizer = load_model(TEACHER, device="cpu")
+    student = truncate_student(teacher, evenly_spaced_layers(teacher.config.num_hidden_layers, args.student_layers))
+    ds = load_teacher_data(data.train).select_columns(["input_ids", "prompt_len"])
+    ds = ds.select(epoch_order(len(ds), SEED, 0))  # our loop's order, read sequentially: the same batches
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.loss, self.peak = [], [], None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter())
+            if state.global_step == total:
+                self.peak = peak_rss_mb()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.loss.append(logs["loss"])
+
+    clock = Clock()
+    trainer = GKDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=gkd_config(args, total),
+        data_collator=functools.partial(collate_trl, pad_id=tokenizer.pad_token_id),
+        train_dataset=ds,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.train()
+    return {
+        "step_s": [b - a for a, b in zip(clock.times, clock.times[1:])],
+        "loss": clock.loss,
+        "peak_rss_mb": clock.peak,
+        "process_peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def vm_rss_mb() -> float:
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def run_profile(args, data: TeacherData) -> dict:
+    """One step of each trainer split into phases on the same batch, each phase the fastest of --profile-reps rounds
+    that run every phase in turn (so load from other processes hits all phases alike). The model forwards and
+    backward are the same HF modules in both; what differs is the loss function (with the RSS growth of its forward
+    and backward), the teacher-logits copy ours makes (`teacher_targets` clones the inference-mode logits so autograd
+    may save them) and the optimizer (train/loop.py: torch.optim.AdamW, per-tensor on the CPU; HF Trainer's default:
+    fused AdamW)."""
+    from trl.experimental.gkd import GKDTrainer
+
+    from distill.objectives import TeacherTargets, distill_loss
+    from train.loop import collate, teacher_forward
+
+    teacher, tokenizer = load_model(TEACHER, device="cpu")
+    student = truncate_student(teacher, evenly_spaced_layers(teacher.config.num_hidden_layers, args.student_layers))
+    student.train()
+    ds = load_teacher_data(data.train)
+    rows = [ds[i] for i in epoch_order(len(ds), SEED, 0)[: args.batch_size]]
+    T = max(len(row["input_ids"]) for row in rows)
+    batch = collate(rows, max_seq_len=T, pad_id=tokenizer.pad_token_id, topk=False)
+    labels, mask, beta = batch["labels"], batch["labels"] != IGNORE, 0.5 if args.objective == "jsd" else 0.0
+    objective = {"jsd": 1.0} if args.objective == "jsd" else {"forward_kl": 1.0}
+    model_in = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    teacher_logits = teacher_forward(teacher, batch)  # (B, T, V)
+    targets = TeacherTargets(logits=teacher_logits.clone())
+    with torch.no_grad():
+        leaf = student(**model_in).logits.requires_grad_()  # (B, T, V); the losses' own backward stops here
+
+    def loss_ours() -> None:
+        leaf.grad = None
+        distill_loss(leaf, targets, labels, mask, objective, beta=beta)[0].backward()
+
+    def loss_trl() -> None:
+        leaf.grad = None
+        # TRL's compute_loss shifts logits and labels by one first; `collate` has already aligned them.
+        GKDTrainer.generalized_jsd_loss(leaf, teacher_logits, labels=labels, beta=beta).backward()
+
+    out = {}
+    for name, fn in (("ours", loss_ours), ("trl", loss_trl)):
+        fn()  # first-call allocations are nobody's peak
+        rss = vm_rss_mb()
+        reset_peak_rss()
+        fn()
+        out[f"loss_peak_rss_growth_{name}_mb"] = peak_rss_mb() - rss
+    grad, held = leaf.grad, {}
+
+    def student_forward() -> None:
+        held["logits"] = student(**model_in).logits
+
+    def student_backward() -> None:
+        held.pop("logits").backward(grad)
+
+    optimizers = {
+        name: torch.optim.AdamW(student.parameters(), lr=args.lr, **kw)
+        for name, kw in (("ours", {}), ("trl", {"fused": True}))
+    }
+    phases = {
+        "teacher_forward": lambda: teacher_forward(teacher, batch),
+        "teacher_logits_clone": teacher_logits.clone,
+        "student_forward": student_forward,
+        "loss_fwd_bwd_ours": loss_ours,
+        "loss_fwd_bwd_trl": loss_trl,
+        "student_backward": student_backward,
+        "optimizer_step_ours": optimizers["ours"].step,
+        "optimizer_step_trl": optimizers["trl"].step,
+    }
+    best = dict.fromkeys(phases, math.inf)
+    for _ in range(args.profile_reps):
+        for name, fn in phases.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    shared = best["teacher_forward"] + best["student_forward"] + best["student_backward"]
+    return (
+        out
+        | {f"{name}_s": value for name, value in best.items()}
+        | {
+            "sum_of_phases_ours_s": shared
+            + best["teacher_logits_clone"]
+            + best["loss_fwd_bwd_ours"]
+            + best["optimizer_step_ours"],
+            "sum_of_phases_trl_s": shared + best["loss_fwd_bwd_trl"] + best["optimizer_step_trl"],
+        }
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parent: data, the children, the table
+
+
+def child(args, name: str, python: str) -> dict:
+    """Run `--child name` in a fresh process of `python`; returns its JSON result."""
+    result = args.out / f"{name}.json"
+    result.unlink(missing_ok=True)
+    cmd = [python, __file__, "--child", name, "--result", str(result)] + [
+        a for a in sys.argv[1:] if a not in ("--profile",)
+    ]
+    env = os.environ | {"TRL_EXPERIMENTAL_SILENCE": "1", "TQDM_DISABLE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def summarize(run: dict, tokens: list[int], warmup: int) -> dict:
+    """tokens/s over the timed steps, and of the fastest one (other load on a shared machine only adds time)."""
+    step_s, tokens = run["step_s"][warmup:], tokens[warmup:]
+    fastest = min(range(len(step_s)), key=lambda i: step_s[i] / tokens[i])
+    return run | {
+        "tokens_per_s": sum(tokens) / sum(step_s),
+        "fastest_step_tokens_per_s": tokens[fastest] / step_s[fastest],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per trainer")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--response-tokens", type=int, default=200)
+    parser.add_argument("--student-layers", type=int, default=4)
+    parser.add_argument("--objective", choices=["jsd", "forward_kl"], default="jsd")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--trl-python", default="/tmp/trlvenv/bin/python", help="a python that can import trl")
+    parser.add_argument("--out", type=Path, default=Path("runs/distill-bench"))
+    parser.add_argument("--profile", action="store_true", help="also break one step into phases")
+    parser.add_argument("--profile-reps", type=int, default=3, help="rounds of the phase timing")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--child", choices=["ours", "trl", "profile"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.manual_seed(SEED)
+    data = bench_data(args.out, num_seqs=args.num_seqs, response_tokens=args.response_tokens)
+    if args.child:
+        run = {"ours": run_ours, "trl": run_trl, "profile": run_profile}[args.child]
+        args.result.write_text(json.dumps(run(args, data)))
+        return
+
+    ds = load_teacher_data(data.train)
+    tokens = step_tokens(ds, epoch_order(len(ds), SEED, 0), args.batch_size, args.warmup + args.steps)
+    start = time.perf_counter()
+    ours = summarize(child(args, "ours", sys.executable), tokens, args.warmup)
+    trl = summarize(child(args, "trl", args.trl_python), tokens, args.warmup)
+    profile = child(args, "profile", args.trl_python) if args.profile else None
+    ratios = {
+        "tokens_per_s": ours["tokens_per_s"] / trl["tokens_per_s"],
+        "fastest_step_tokens_per_s": ours["fastest_step_tokens_per_s"] / trl["fastest_step_tokens_per_s"],
+        "peak_rss": ours["peak_rss_mb"] / trl["peak_rss_mb"],
+        "process_peak_rss": ours["process_peak_rss_mb"] / trl["process_peak_rss_mb"],
+    }
+    T = max(len(x) for x in ds["input_ids"])
+    print(
+        f"teacher {TEACHER}, student {args.student_layers} layers (truncation), objective {args.objective}, lmbda 0, "
+        f"fp32 CPU ({torch.get_num_threads()} threads), batch {args.batch_size} x <= {T} tokens "
+        f"({args.response_tokens} response tokens per sequence), {args.warmup} warm-up + {args.steps} timed steps"
+    )
+    print(
+        "\n| trainer | tokens/s (timed steps) | tokens/s (fastest step) | s per step (warm-up first) "
+        "| peak RSS (training) MiB | peak RSS (process) MiB |"
+    )
+    print("| --- | ---: | ---: | --- | ---: | ---: |")
+    for name, run in (("ours (train.loop.distill)", ours), ("TRL GKDTrainer", trl)):
+        print(
+            f"| {name} | {run['tokens_per_s']:.1f} | {run['fastest_step_tokens_per_s']:.1f} | "
+            f"{' '.join(f'{x:.2f}' for x in run['step_s'])} | {run['peak_rss_mb']:.0f} | "
+            f"{run['process_peak_rss_mb']:.0f} |"
+        )
+    print("\nper-step loss (same batches; equal at step 1 when both compute the same objective):")
+    print("  ours: " + " ".join(f"{x:.4f}" for x in ours["loss"]))
+    print("  trl:  " + " ".join(f"{x:.4f}" for x in trl["loss"]))
+    print(
+        f"\nratios (ours / TRL): tokens/s {ratios['tokens_per_s']:.2f}x over the timed steps, "
+        f"{ratios['fastest_step_tokens_per_s']:.2f}x fastest step (goal >= 1.5); peak RSS (training) "
+        f"{ratios['peak_rss']:.2f}x (goal <= 0.7), peak RSS (process) {ratios['process_peak_rss']:.2f}x"
+    )
+    if profile:
+        print(f"\none step split into phases (same batch, fastest of {args.profile_reps} rounds):")
+        for key, value in profile.items():
+            print(f"  {key:28s} {value:9.3f}")
+    print(f"\nwall {time.perf_counter() - start:.0f} s")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "ours": ours,
+                    "trl": trl,
+                    "ratios": ratios,
+                    "profile": profile,
+                },
+                indent=2,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
