@@ -28,3 +28,14 @@ def tiny_llama(vocab_size: int = 64, layers: int = 2, seed: int = 0, **overrides
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models: thread wake-ups cost more than the maths there."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -9,14 +9,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.llama import Llama
 
+# Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 class PositionLM(torch.nn.Module):

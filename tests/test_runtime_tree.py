@@ -28,14 +28,10 @@ from specdec_runtime.kv import make_state
 from specdec_runtime.llama import Llama
 from specdec_runtime.tree import DynamicTreeShape, accepted_path_indices, parse_tree, tree_size, verify_layout
 
+# Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 # ------------------------------------------------------------------------------------------------- greedy identity

@@ -24,14 +24,10 @@ from specdec_runtime.tree import (
     verify_tree_sample,
 )
 
+# Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 def per_row_tree(parents: list[list[int]]) -> Tree:
