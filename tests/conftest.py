@@ -25,9 +25,9 @@ def tiny_llama(vocab_size: int = 64, layers: int = 2, seed: int = 0, **overrides
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
-    return LlamaForCausalLM(config).eval()
+    shape = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(LlamaConfig(**{**shape, **overrides})).eval()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama as conftest_tiny_llama
+from transformers import LlamaForCausalLM
 
 import specdec_runtime.engine as engine
 from specdec_runtime.engine import SamplingParams, generate
@@ -170,18 +171,8 @@ def test_a_broken_acceptance_rule_is_caught(toys, monkeypatch):
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=12,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.5,  # spread-out logits, so p and q differ a lot
-    )
-    return LlamaForCausalLM(config).eval()
+    # A 12-token vocabulary and spread-out logits (initializer_range 0.5), so p and q differ a lot.
+    return conftest_tiny_llama(vocab_size=12, seed=seed, max_position_embeddings=64, initializer_range=0.5)
 
 
 def llama_joint2(model: LlamaForCausalLM, prompt: list[int], sampling: SamplingParams) -> torch.Tensor:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama
 
 from specdec_runtime.bench import format_bench_table, run_bench
 from specdec_runtime.engine import SamplingParams, generate
@@ -123,22 +123,8 @@ def test_speedup_models():
     assert predicted_speedup(tau, 3, 0.2, 1.0) == pytest.approx(analytic_speedup(0.7, 3, 0.2))
 
 
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 def test_stats_aggregate_and_merge():
-    target, draft = tiny_llama(0), tiny_llama(1)
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=1)
     prompts = [[1, 2, 3], [4], [5, 6]]
     parts = [generate(target, draft, [p], num_draft_tokens=2, max_new_tokens=6) for p in prompts]
     whole = generate(target, draft, prompts, num_draft_tokens=2, max_new_tokens=6)
@@ -157,13 +143,13 @@ def test_stats_aggregate_and_merge():
 
 
 def test_measure_cost_ratios():
-    target, draft = tiny_llama(0), tiny_llama(1)
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=1)
     c, v = measure_cost_ratios(target, draft, num_draft_tokens=3, context_len=8, warmup=1, iters=3)
     assert 0 < c < 20 and 0 < v < 20
 
 
 def test_run_bench_smoke():
-    target = tiny_llama(0)
+    target = tiny_llama(seed=0)
     tokenizer = SimpleNamespace(eos_token_id=None, pad_token_id=0)
     prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
     with warnings.catch_warnings():
