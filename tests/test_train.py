@@ -207,6 +207,25 @@ def test_config_drift_allows_more_steps_but_not_another_objective(tmp_path):
     assert config_drift(to_dict(a), to_dict(other)) == expected
     assert training_fingerprint(a) == training_fingerprint(train_config(tmp_path, "eval.max_prompts=3"))
     assert training_fingerprint(a) != training_fingerprint(more)
+    # Sharding the teacher changes where its weights live, not what is trained: resumable, same DONE fingerprint.
+    sharded = train_config(tmp_path, "train.shard_teacher=always")
+    assert config_drift(to_dict(a), to_dict(sharded)) == []
+    assert training_fingerprint(a) == training_fingerprint(sharded)
+
+
+def test_the_teacher_is_sharded_when_the_student_is_or_when_asked():
+    from accelerate.utils import DistributedType
+
+    from train.loop import should_shard_teacher
+
+    fsdp, ddp = DistributedType.FSDP, DistributedType.MULTI_GPU
+    assert should_shard_teacher("auto", fsdp, world=8, cache=False)
+    assert not should_shard_teacher("auto", ddp, world=8, cache=False)
+    assert should_shard_teacher("always", ddp, world=2, cache=False)
+    assert should_shard_teacher("always", DistributedType.MULTI_CPU, world=2, cache=False)
+    assert not should_shard_teacher("never", fsdp, world=8, cache=False)
+    assert not should_shard_teacher("always", DistributedType.NO, world=1, cache=False)  # nothing to shard over
+    assert not should_shard_teacher("always", fsdp, world=8, cache=True)  # no teacher in memory
 
 
 def test_on_policy_rows_keep_the_prompt_and_stop_at_eos(tiny):

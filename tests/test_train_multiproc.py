@@ -1,15 +1,19 @@
 """Two CPU processes (torchrun, gloo) with the same global batch as one process take the same optimizer steps.
 
-The two-process run also stops after 2 steps and resumes for a third, so checkpointing under DDP (optimizer state,
-per-rank RNG) is exercised too. A constant learning rate keeps the stop-and-resume schedule equal to a straight run.
+The DDP run also stops after 2 steps and resumes for a third, so checkpointing under DDP (optimizer state,
+per-rank RNG) is exercised too. A second two-process run shards the teacher over both processes with FSDP2
+(train.shard_teacher=always): each process holds half of it and the steps are still those of one process. A constant
+learning rate keeps the stop-and-resume schedule equal to a straight run.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from test_train import (
@@ -25,21 +29,23 @@ from test_train import (
 COMMON = ("train.warmup_steps=0", "train.min_lr_ratio=1.0", "train.eval_every=2", "train.keep_last=1")
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, isolated_cache):
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """(root, teacher data, run folder) of 3 steps in this process: 2 micro-batches of 2, global batch 4."""
     from train.loop import distill
 
-    teacher, tokenizer, data = tiny_setup(tmp_path)
-    # One process: 2 micro-batches of 2. Two processes: 1 micro-batch of 2 each. Global batch 4 either way.
-    single = distill(
-        train_config(tmp_path / "single", *COMMON, "train.max_steps=3", "train.grad_accum=2"),
-        "draft",
-        data,
-        teacher=teacher,
-        tokenizer=tokenizer,
-    )
+    root = tmp_path_factory.mktemp("multiproc")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(root / "model-cache"))
+        teacher, tokenizer, data = tiny_setup(root)
+        cfg = train_config(root / "single", *COMMON, "train.max_steps=3", "train.grad_accum=2")
+        single = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    return root, data, single
 
-    script = tmp_path / "ddp.py"
+
+def run_two_processes(root: Path, data, out: Path, steps: tuple[int, ...], *overrides: str) -> str:
+    """Run distill on 2 torchrun processes (1 micro-batch of 2 each), once per entry of `steps`; return stdout."""
+    script = out.with_suffix(".py")
     script.write_text(
         textwrap.dedent(f"""
         import sys
@@ -50,19 +56,88 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, is
         from train.loop import distill
 
         data = TeacherData(Path({str(data.train)!r}), Path({str(data.eval)!r}))
-        for steps in (2, 3):
-            cfg = train_config(Path({str(tmp_path / "ddp")!r}), *{COMMON!r}, f"train.max_steps={{steps}}")
+        for steps in {steps!r}:
+            cfg = train_config(Path({str(out)!r}), *{(*COMMON, *overrides)!r}, f"train.max_steps={{steps}}")
             distill(cfg, "draft", data)
     """)
     )
-    env = os.environ | {"SPECDISTILL_CACHE": str(isolated_cache), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"SPECDISTILL_CACHE": str(root / "model-cache"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "resumed draft from" in proc.stdout
+    return proc.stdout
 
-    ddp = tmp_path / "ddp" / "candidates" / "draft"
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_the_same_global_batch(one_process):
+    root, data, single = one_process
+    stdout = run_two_processes(root, data, root / "ddp", (2, 3))
+    assert "resumed draft from" in stdout
+    assert "teacher sharded" not in stdout  # auto: DDP keeps a full teacher on each process
+
+    ddp = root / "ddp" / "candidates" / "draft"
     state = (ddp / "checkpoints" / "step-000003" / "trainer_state.json").read_text()
     assert '"world_size": 2' in state
     assert_same_logs(metric_rows(ddp), metric_rows(single))
     assert_same_weights(final_weights(ddp, 3), final_weights(single, 3))
+
+
+@pytest.mark.slow
+def test_a_teacher_sharded_over_two_processes_trains_like_a_full_one(one_process):
+    root, data, single = one_process
+    stdout = run_two_processes(root, data, root / "sharded", (3,), "train.shard_teacher=always")
+
+    # Each process holds half of every sharded tensor (FSDP2 pads odd dimensions, hence "about").
+    match = re.search(r"teacher sharded over 2 processes \(FSDP2\): ([\d,]+) of ([\d,]+) parameters", stdout)
+    assert match, stdout[-2000:]
+    local, total = (int(x.replace(",", "")) for x in match.groups())
+    assert abs(local / total - 0.5) < 0.02, (local, total)
+
+    # Validation metrics come from the sharded teacher's logits: equal logs mean equal teacher outputs.
+    sharded = root / "sharded" / "candidates" / "draft"
+    assert_same_logs(metric_rows(sharded), metric_rows(single))
+    assert_same_weights(final_weights(sharded, 3), final_weights(single, 3))
+
+
+@pytest.mark.slow
+def test_on_policy_generation_with_a_sharded_student_keeps_processes_in_step(tmp_path):
+    """Under FSDP every student forward is a collective: processes with other prompt lengths and answers that end
+    at other times must still run the same number of forwards (synced generation), or the run hangs."""
+    script = tmp_path / "synced.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        sys.path.insert(0, {str(TESTS)!r})
+        from conftest import tiny_llama
+        from distill.config import DataConfig
+        from train.loop import on_policy_rows
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        student = tiny_llama(vocab_size=64, layers=2).train()
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in student.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(student, mesh=mesh)
+        # Rank 0: short prompts, a budget of 20 new tokens. Rank 1: a prompt that leaves room for 3 only.
+        prompts = [[5, 6, 7], [8, 9]] if rank == 0 else [list(range(10, 39))]
+        rows = [{{"input_ids": p, "prompt_len": len(p)}} for p in prompts]
+        torch.manual_seed(rank)  # other samples, so answers end at other steps
+        out = on_policy_rows(student, rows, eos_id=3, pad_id=0, data=DataConfig(max_new_tokens=20, temperature=1.0),
+                             max_seq_len=32, synced=True)
+        assert [r["input_ids"][: r["prompt_len"]] for r in out] == prompts
+        new = [len(r["input_ids"]) - r["prompt_len"] for r in out]
+        assert all(1 <= n <= 3 for n in new), new  # every process takes the smallest budget
+        print(f"rank {{rank}} ok {{new}}", flush=True)
+        dist.destroy_process_group()
+    """)
+    )
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout

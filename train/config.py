@@ -40,6 +40,10 @@ class TrainConfig:
     """Continue from the newest good checkpoint in the candidate folder when there is one."""
     log_every: int = 10
     """Log training metrics every N steps."""
+    shard_teacher: Literal["auto", "always", "never"] = "auto"
+    """Shard the teacher's weights over the processes (FSDP2, inference only) instead of a full copy on each:
+    auto = when accelerate runs FSDP; always = also under DDP or on CPU (a large teacher, a small DDP student);
+    never = a full copy on every process. One process never shards."""
 
     def validate(self) -> None:
         if self.max_steps < 0 or self.epochs < 0 or (self.max_steps == 0 and self.epochs == 0):

@@ -9,6 +9,7 @@
                            -m specdistill distill configs/quickstart.yaml
     N GPUs (FSDP):     accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes N \
                            -m specdistill distill configs/llama-3.1-8b.yaml
+                       (the teacher is then sharded too: train.shard_teacher, see `shard_teacher`)
 
 From Python, `run_distill(cfg, teacher_data)` trains every candidate and `distill(cfg, name, teacher_data)` one.
 
@@ -95,7 +96,10 @@ RESUMABLE_CHANGES = {
     "train.log_every",
     "train.resume",
     "train.mixed_precision",
+    "train.shard_teacher",
 }
+# Keys that change how a run executes, not what it trains: left out of the DONE fingerprint.
+EXECUTION_ONLY = {"train.resume", "train.shard_teacher"}
 
 
 class NonFiniteLossError(ValueError):
@@ -169,16 +173,23 @@ def collate(rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool) -> d
 
 @torch.no_grad()
 def on_policy_rows(
-    model, rows: list[dict], *, eos_id: int, pad_id: int, data: DataConfig, max_seq_len: int
+    model, rows: list[dict], *, eos_id: int, pad_id: int, data: DataConfig, max_seq_len: int, synced: bool = False
 ) -> list[dict]:
     """The student's own answers to the rows' prompts, sampled like the teacher data (GKD, Agarwal et al. 2024;
-    DistillSpec, Zhou et al. 2024). Rows whose prompt leaves no room under `max_seq_len` stay as they are."""
+    DistillSpec, Zhou et al. 2024). Rows whose prompt leaves no room under `max_seq_len` stay as they are.
+
+    `synced`: the student's weights are sharded (FSDP, ZeRO-3), so every forward is a collective and a process
+    whose answers end early keeps stepping until all are done; all processes then take the same max_new_tokens."""
     prompts = [row["input_ids"][: row["prompt_len"]] for row in rows]
     P = max(len(p) for p in prompts)
     max_new = min(data.max_new_tokens, max_seq_len - P)
+    device = next(model.parameters()).device
+    if synced:
+        budget = torch.tensor(max_new, device=device)
+        torch.distributed.all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
+        max_new = int(budget)
     if max_new < 1:
         return rows
-    device = next(model.parameters()).device
     input_ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P) left-padded
     attention_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
     sampling = (
@@ -194,6 +205,7 @@ def on_policy_rows(
         max_new_tokens=max_new,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
+        synced_gpus=synced,
         **sampling,
     )  # (B, P + new)
     model.train(was_training)
@@ -319,6 +331,44 @@ def _no_response(row: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Teacher placement
+
+
+def should_shard_teacher(setting: str, distributed_type: DistributedType, *, world: int, cache: bool) -> bool:
+    """train.shard_teacher resolved: auto shards exactly when accelerate shards the student (FSDP). There is nothing
+    to shard with one process or without a teacher in memory (offline cache)."""
+    if cache or world < 2:
+        return False
+    return setting == "always" or (setting == "auto" and distributed_type == DistributedType.FSDP)
+
+
+def shard_teacher(teacher, device: torch.device, world: int) -> str:
+    """Shard the teacher's weights over all `world` processes with FSDP2, in place, for inference only.
+
+    Each decoder layer (the model's `_no_split_modules` classes) becomes one FSDP unit, and the rest (embeddings,
+    final norm, head) the root unit. A forward gathers one unit at a time and frees it after (reshard_after_forward),
+    so a process holds 1/world of the teacher plus one gathered layer, and the logits are those of the full model.
+    The parameters move to `device` shard by shard: load the teacher on the CPU first and the device never holds
+    a full copy. Every process must run the same number of teacher forwards (each one is a collective).
+    Returns a one-line summary for the log.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(teacher, FSDPModule):
+        raise ValueError("the teacher passed to distill() is already sharded; pass the unsharded model")
+    total = sum(p.numel() for p in teacher.parameters())
+    teacher.requires_grad_(False)
+    mesh = init_device_mesh(device.type, (world,))
+    unit_names = set(getattr(teacher, "_no_split_modules", None) or [])
+    for module in [m for m in teacher.modules() if type(m).__name__ in unit_names]:
+        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
+    local = sum(p.to_local().numel() for p in teacher.parameters())
+    return f"teacher sharded over {world} processes (FSDP2): {local:,} of {total:,} parameters on this one"
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Config bookkeeping
 
 
@@ -331,6 +381,9 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def training_fingerprint(cfg: RootConfig) -> str:
     """Hash of the sections that decide what a candidate trains (not eval, serving, tracking or output_dir)."""
     data = to_dict(cfg)
+    for key in EXECUTION_ONLY:
+        section, name = key.split(".")
+        data[section].pop(name, None)
     blob = json.dumps({k: data[k] for k in TRAINING_SECTIONS}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -393,13 +446,15 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
     accelerator.wait_for_everyone()
 
     # Teacher and student. With the offline cache the teacher is loaded on the CPU only to build the student and
-    # dropped before training: it never runs a forward pass.
+    # dropped before training: it never runs a forward pass. A sharded teacher is loaded on the CPU too and reaches
+    # the device one shard per process.
+    shard = should_shard_teacher(tc.shard_teacher, accelerator.distributed_type, world=world, cache=cache)
     if teacher is None:
         with accelerator.main_process_first():  # the first load may convert a GGUF into the shared cache
             teacher, tokenizer = load_model(
                 cfg.target.model,
                 dtype=cfg.target.dtype,
-                device="cpu" if cache else str(device),
+                device="cpu" if cache or shard else str(device),
                 trust_remote_code=cfg.target.trust_remote_code,
                 allow_pickle=cfg.target.allow_pickle,
             )
@@ -418,6 +473,8 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
     print0(describe_student(student, teacher))
     if cache:
         teacher = None
+    elif shard:
+        print0(shard_teacher(teacher, device, world))
     elif teacher.device != device:
         teacher = teacher.to(device)
     student = student.float().train()  # fp32 master weights; on CUDA accelerate autocasts the forward to bf16
@@ -558,7 +615,12 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
         micro_batch_indices, rank=rank, world=world, batch_size=tc.batch_size, grad_accum=tc.grad_accum
     )
     student_answers = functools.partial(
-        on_policy_rows, eos_id=eos_id, pad_id=pad_id, data=cfg.data, max_seq_len=tc.max_seq_len
+        on_policy_rows,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        data=cfg.data,
+        max_seq_len=tc.max_seq_len,
+        synced=fsdp and world > 1,
     )
     progress = tqdm(total=total, initial=state.step, desc=candidate, disable=not is_main, dynamic_ncols=True)
     window = {"loss": 0.0, "tokens": 0.0, "steps": 0, "start": time.perf_counter()}
