@@ -246,3 +246,30 @@ def test_eval_split_over_two_processes_matches_one(env, tmp_path, smoke_run):
     s1, s2 = one_r["candidates"][0]["settings"][0], two_r["candidates"][0]["settings"][0]
     for key in ("acceptance_rate", "mean_accepted_length", "new_tokens", "target_forwards"):
         assert s2[key] == pytest.approx(s1[key]), key
+
+
+@pytest.mark.slow
+def test_data_and_distill_on_two_processes_with_the_shipped_launcher_file(env, tmp_path, smoke_run):
+    """The README's CPU multi-process command, `accelerate launch --config_file configs/accelerate/cpu_2proc.yaml -m
+    specdistill distill configs/smoke.yaml`: two processes split the teacher data (the same rows as one process)
+    and train every candidate with world size 2."""
+    from distill.data import load_teacher_data
+
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           ROOT / "configs" / "accelerate" / "cpu_2proc.yaml", "-m", "specdistill", "distill",
+           ROOT / "configs" / "smoke.yaml", f"output_dir={out}"]
+    two = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+
+    one_data = sorted((smoke_run[0] / "data").glob("teacher-*"))
+    assert [p.name for p in sorted((out / "data").glob("teacher-*"))] == [p.name for p in one_data]
+    for path in one_data:
+        rows = {split: sorted(map(tuple, load_teacher_data(root / path.name)["input_ids"]))
+                for split, root in (("one", smoke_run[0] / "data"), ("two", out / "data"))}
+        assert rows["two"] == rows["one"], path.name
+    for cand in ("fkl", "tv-cache"):
+        last = sorted((out / "candidates" / cand / "checkpoints").glob("step-*"))[-1]
+        assert json.loads((last / "trainer_state.json").read_text())["world_size"] == 2
+        assert (out / "candidates" / cand / "best" / "model.safetensors").is_file()

@@ -43,8 +43,23 @@ def one_process(tmp_path_factory):
     return root, data, single
 
 
-def run_two_processes(root: Path, data, out: Path, steps: tuple[int, ...], *overrides: str) -> str:
-    """Run distill on 2 torchrun processes (1 micro-batch of 2 each), once per entry of `steps`; return stdout."""
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+DEEPSPEED = (
+    "-m",
+    "accelerate.commands.launch",
+    "--config_file",
+    str(TESTS.parent / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
+    "--num_processes",
+    "2",
+    "--main_process_port",
+    "29523",
+)
+
+
+def run_two_processes(
+    root: Path, data, out: Path, steps: tuple[int, ...], *overrides: str, launcher: tuple[str, ...] = TORCHRUN
+) -> str:
+    """Run distill on 2 processes (1 micro-batch of 2 each), once per entry of `steps`; return stdout."""
     script = out.with_suffix(".py")
     script.write_text(
         textwrap.dedent(f"""
@@ -62,8 +77,7 @@ def run_two_processes(root: Path, data, out: Path, steps: tuple[int, ...], *over
     """)
     )
     env = os.environ | {"SPECDISTILL_CACHE": str(root / "model-cache"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, *launcher, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout
 
@@ -97,6 +111,22 @@ def test_a_teacher_sharded_over_two_processes_trains_like_a_full_one(one_process
     sharded = root / "sharded" / "candidates" / "draft"
     assert_same_logs(metric_rows(sharded), metric_rows(single))
     assert_same_weights(final_weights(sharded, 3), final_weights(single, 3))
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_config_trains_and_resumes_like_one_process(one_process):
+    """The shipped configs/accelerate/deepspeed_zero2.yaml on 2 CPU processes (DeepSpeed's CPU accelerator, gloo):
+    ZeRO-2 partitions the optimizer state, stops after 2 steps, resumes from its own partitions for a third."""
+    root, data, single = one_process
+    stdout = run_two_processes(root, data, root / "zero2", (2, 3), launcher=DEEPSPEED)
+    assert "resumed draft from" in stdout
+
+    zero2 = root / "zero2" / "candidates" / "draft"
+    step = zero2 / "checkpoints" / "step-000003"
+    assert (step / "optimizer-zero.pt").is_file() and not (step / "optimizer.pt").exists()
+    assert '"world_size": 2' in (step / "trainer_state.json").read_text()
+    assert_same_logs(metric_rows(zero2), metric_rows(single))
+    assert_same_weights(final_weights(zero2, 3), final_weights(single, 3))
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ Layout, with <cand> = <output_dir>/candidates/<name>:
         model.safetensors, config.json      the student (save_pretrained); a LoRA student keeps its adapters
                                             unmerged (adapter_model.safetensors + adapter_config.json) so they train on
         tokenizer files
-        optimizer.pt, scheduler.pt          torch state dicts
+        optimizer.pt, scheduler.pt          torch state dicts (the optimizer's full state, keyed by parameter name)
+        optimizer-zero.pt                   instead of optimizer.pt under DeepSpeed: ZeRO's partitions, one per rank
         rng.pt                              python, numpy, torch and CUDA RNG states, one entry per rank
         trainer_state.json                  step, data position, best metric, metrics history
         config.yaml                         the resolved config the run was started with
@@ -36,6 +37,8 @@ from safetensors.torch import load_file
 MARKER = "COMPLETE"
 PREFIX = "step-"
 MODEL_FILE = "model.safetensors"
+ZERO_KEY = "zero_partitions"  # the optimizer state of a DeepSpeed run: {ZERO_KEY: [rank 0's, rank 1's, ...]}
+ZERO_FILE = "optimizer-zero.pt"
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
@@ -186,7 +189,7 @@ def save_checkpoint(
     final = step_dir(root, state.step)
     tmp = _fresh_tmp(root, final.name)
     write_model_fn(tmp)
-    torch.save(optimizer, tmp / "optimizer.pt")
+    torch.save(optimizer, tmp / (ZERO_FILE if ZERO_KEY in optimizer else "optimizer.pt"))
     torch.save(scheduler, tmp / "scheduler.pt")
     torch.save(rng, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
@@ -221,8 +224,10 @@ def read_checkpoint(path: Path, *, adapter: bool) -> Checkpoint:
         state = TrainerState(**json.loads((path / name).read_text()))
         name = ADAPTER_FILE if adapter else MODEL_FILE
         model = load_file(path / name)
-        name = "optimizer.pt"
-        optimizer = torch.load(path / name, weights_only=True)
+        # ZeRO's partitions hold DeepSpeed objects (its loss scaler) besides tensors: like rng.pt below, a file we
+        # wrote ourselves, so full unpickling is acceptable for it.
+        name = ZERO_FILE if (path / ZERO_FILE).is_file() else "optimizer.pt"
+        optimizer = torch.load(path / name, weights_only=name == "optimizer.pt")
         name = "scheduler.pt"
         scheduler = torch.load(path / name, weights_only=True)
         name = "rng.pt"

@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 import yaml
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, gather_object, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 from peft import PeftModel
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
@@ -50,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.optim.lr_scheduler import LambdaLR
+from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from distill.config import DataConfig, DistillConfig
@@ -65,6 +67,7 @@ from distill.students import build_student, describe_student, merge_student
 from specdec_runtime.loading import check_vocab_compatible, load_model
 from specdistill.config import RootConfig, candidate_config, candidate_names, dump_yaml, to_dict
 from train.checkpoint import (
+    ZERO_KEY,
     TrainerState,
     apply_model_state,
     is_done,
@@ -78,6 +81,7 @@ from train.checkpoint import (
     write_done,
     write_model,
 )
+from train.config import TrainConfig
 from train.tracking import make_tracker
 
 IGNORE = -100
@@ -369,6 +373,69 @@ def shard_teacher(teacher, device: torch.device, world: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# DeepSpeed (ZeRO-1/2 through `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`)
+
+
+def deepspeed_requested() -> bool:
+    """`accelerate launch` with a DeepSpeed config file exports this; the Accelerator then runs DeepSpeed."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def configure_deepspeed(plugin, tc: TrainConfig) -> None:
+    """Fill the DeepSpeed config from train.* before `prepare`.
+
+    The loop passes no DataLoader to `prepare`, so the micro-batch size is set here. DeepSpeed clips inside its own
+    step (accelerator.clip_grad_norm_ only reports the norm), so train.max_grad_norm becomes its gradient_clipping.
+    The accumulation steps come from the Accelerator. ZeRO-3 is refused: it shards the student's weights, which
+    the checkpoint and on-policy code here do not gather; FSDP does that (configs/accelerate/fsdp.yaml).
+    """
+    if plugin.zero_stage == 3:
+        raise ValueError(
+            "DeepSpeed ZeRO-3 is not supported by `specdistill distill`: use zero_stage 1 or 2 "
+            "(configs/accelerate/deepspeed_zero2.yaml), or configs/accelerate/fsdp.yaml to shard the student"
+        )
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
+    plugin.deepspeed_config["gradient_clipping"] = tc.max_grad_norm
+
+
+def optimizer_state(student, optimizer, *, deepspeed: bool, is_main: bool) -> dict | None:
+    """The optimizer state to checkpoint (a collective: every process calls it; the main process gets it).
+
+    DDP / FSDP / 1 process: the full state keyed by parameter name, the same file whatever the process count.
+    DeepSpeed: ZeRO's own per-process partitions (its fp32 master weights and Adam moments), in rank order.
+    """
+    if not deepspeed:
+        return get_optimizer_state_dict(
+            student, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    mine = tree_map(lambda x: x.cpu() if isinstance(x, Tensor) else x, student.optimizer.state_dict())
+    partitions = [None] * torch.distributed.get_world_size() if is_main else None
+    torch.distributed.gather_object(mine, partitions, dst=0)
+    return {ZERO_KEY: partitions} if is_main else None
+
+
+def load_optimizer_state(student, optimizer, saved: dict, *, deepspeed: bool, world: int, path: Path) -> None:
+    """Restore what `optimizer_state` saved into the prepared student's optimizer."""
+    if deepspeed != (ZERO_KEY in saved):
+        written, now = ("DeepSpeed", "without") if ZERO_KEY in saved else ("without DeepSpeed", "under DeepSpeed")
+        raise ValueError(
+            f"checkpoint {path} holds an optimizer state written {written}, and this run is {now} it: resume with "
+            "the launcher config it was written with, or set train.resume=false to start over"
+        )
+    if not deepspeed:
+        set_optimizer_state_dict(student, optimizer, saved, options=StateDictOptions(full_state_dict=True))
+        return
+    partitions = saved[ZERO_KEY]
+    if len(partitions) != world:
+        raise ValueError(
+            f"checkpoint {path} holds DeepSpeed ZeRO optimizer partitions of {len(partitions)} processes and this "
+            f"run has {world}: resume with {len(partitions)} processes, or set train.resume=false to start over"
+        )
+    # From the fp32 masters in the checkpoint, not the (possibly bf16) weights: the resume is exact.
+    student.optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Config bookkeeping
 
 
@@ -435,8 +502,17 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
     # target.device=cpu keeps everything on the CPU.
     on_cuda = torch.cuda.is_available() and cfg.target.device != "cpu"
     precision = ("bf16" if on_cuda else "no") if tc.mixed_precision == "auto" else tc.mixed_precision
-    accelerator = Accelerator(gradient_accumulation_steps=tc.grad_accum, mixed_precision=precision, cpu=not on_cuda)
+    # DeepSpeed never runs with cpu=True; without CUDA it takes its CPU accelerator, and gloo must be named.
+    deepspeed = deepspeed_requested()
+    accelerator = Accelerator(
+        gradient_accumulation_steps=tc.grad_accum,
+        mixed_precision=precision,
+        cpu=not on_cuda and not deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and not on_cuda else None,
+    )
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    if deepspeed:
+        configure_deepspeed(accelerator.state.deepspeed_plugin, tc)
     is_main, print0 = accelerator.is_main_process, accelerator.print
     if is_main:
         cand.mkdir(parents=True, exist_ok=True)
@@ -536,10 +612,8 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
             )
         apply_model_state(student, ckpt.model)
     student, prepared_optimizer = accelerator.prepare(student, optimizer)
-    # Full (unsharded) optimizer state keyed by parameter name: the same file under 1 process, DDP or FSDP.
-    state_options = StateDictOptions(full_state_dict=True)
     if ckpt is not None:
-        set_optimizer_state_dict(student, optimizer, ckpt.optimizer, options=state_options)
+        load_optimizer_state(student, optimizer, ckpt.optimizer, deepspeed=deepspeed, world=world, path=ckpt.path)
         scheduler.load_state_dict(ckpt.scheduler)
         state = ckpt.state
         if state.world_size == world:
@@ -593,16 +667,14 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
 
     def save() -> None:
         full_state = accelerator.get_state_dict(student) if fsdp else None
-        optimizer_state = get_optimizer_state_dict(
-            student, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        optimizer_to_save = optimizer_state(student, optimizer, deepspeed=deepspeed, is_main=is_main)
         rng = gather_object([rng_state()])  # one entry per rank, in rank order
         if is_main:
             save_checkpoint(
                 ckpt_root,
                 state,
                 write_model_fn=writer(accelerator.unwrap_model(student), full_state),
-                optimizer=optimizer_state,
+                optimizer=optimizer_to_save,
                 scheduler=scheduler.state_dict(),
                 rng=rng,
                 config_yaml=config_yaml,
