@@ -77,7 +77,9 @@ def run_two_processes(
     """)
     )
     env = os.environ | {"SPECDISTILL_CACHE": str(root / "model-cache"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, *launcher, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, *launcher, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout
 
