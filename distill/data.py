@@ -27,7 +27,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +39,14 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from distill.config import DataConfig
-from distill.prompts import PromptRecord, load_prompts, render_chat, save_prompts, self_instruct_prompts
+from distill.prompts import (
+    PromptRecord,
+    load_prompts,
+    render_chat,
+    save_prompts,
+    self_instruct_prompts,
+    without_prompts,
+)
 from specdec_runtime.engine import SamplingParams, generate
 
 FORMAT_VERSION = 1  # bump when the columns or the sampling scheme change, so old caches are not reused
@@ -91,6 +98,9 @@ def generate_teacher_data(
 ) -> TeacherData:
     """Generate (or find cached) teacher answers to the training and held-out prompts.
 
+    The eval split is never trained on: training prompts that also appear in `cfg.eval_prompts` (all of it, not
+    only the first max_eval_prompts) are dropped, and the count is printed.
+
     `teacher_id` identifies the teacher weights (spec + resolved folder) in the fingerprint. With world_size > 1,
     shard i is written by rank i % world_size and rank 0 merges; `barrier` (e.g. `accelerator.wait_for_everyone`)
     must be passed when the ranks run concurrently, so rank 0 merges only once every shard is written.
@@ -110,9 +120,11 @@ def generate_teacher_data(
         train_records = _self_instruct_records(teacher, tokenizer, barrier=barrier, **job)
     else:
         train_records = load_prompts(cfg.prompts)
+    eval_records = load_prompts(cfg.eval_prompts)
+    train_records = drop_held_out(train_records, eval_records, log=print if rank == 0 else None)
     splits = {
         "teacher": (cfg.prompts, train_records[: cfg.max_prompts or None]),
-        "teacher-eval": (cfg.eval_prompts, load_prompts(cfg.eval_prompts, limit=cfg.max_eval_prompts or None)),
+        "teacher-eval": (cfg.eval_prompts, eval_records[: cfg.max_eval_prompts or None]),
     }
     prompt_ids = {}
     for split, (source, records) in splits.items():  # every check before any generation
@@ -145,6 +157,10 @@ def cache_stats(path: Path) -> dict:
     table = load_teacher_data(path).data
     if "topk_ids" not in table.column_names:
         raise ValueError(f"{path} has no offline teacher cache; generate it with data.teacher_cache=true")
+    return _cache_payload(table)
+
+
+def _cache_payload(table) -> dict:
     tokens = pc.sum(pc.list_value_length(table.column("topk_ids"))).as_py() or 0
     payload = 0
     for name in ("topk_ids", "topk_logprobs"):
@@ -156,6 +172,24 @@ def cache_stats(path: Path) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Leaf functions
+
+
+def drop_held_out(
+    records: list[PromptRecord], held_out: Sequence[PromptRecord], *, log: Callable[[str], object] | None = print
+) -> list[PromptRecord]:
+    """The training `records` without the prompts that also appear in `held_out` (order kept)."""
+    kept = without_prompts(records, held_out)
+    if len(kept) < len(records) and log is not None:
+        log(
+            f"data: dropped {len(records) - len(kept)} of {len(records)} training prompts that are also held-out "
+            "eval prompts (data.eval_prompts): the eval split is never trained on"
+        )
+    if records and not kept:
+        raise ValueError(
+            "every training prompt is also a held-out eval prompt; point data.prompts and data.eval_prompts at "
+            "disjoint sets (e.g. builtin:train and builtin:eval)"
+        )
+    return kept
 
 
 def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,15 +401,20 @@ def _merge(root: Path, num_shards: int, *, num_prompts: int, num_samples: int) -
     lengths = pc.list_value_length(ds.data.column("input_ids"))
     tokens = pc.sum(lengths).as_py() - pc.sum(ds.data.column("prompt_len")).as_py()
     summary = {"prompts": num_prompts, "samples": num_samples, "rows": len(ds), "response_tokens": tokens}
+    if "topk_ids" in ds.column_names:
+        summary["cache_bytes_per_token"] = _cache_payload(ds.data)["bytes_per_token"]
     (root / COMPLETE).write_text(json.dumps(summary))
     shutil.rmtree(root / "shards", ignore_errors=True)
     return summary
 
 
 def _summary(summary: dict, root: Path) -> str:
+    cache = summary.get("cache_bytes_per_token")
     return (
         f"{summary['prompts']} prompts x {summary['samples']} samples = {summary['rows']} sequences, "
-        f"{summary['response_tokens']} response tokens -> {root}"
+        f"{summary['response_tokens']} response tokens"
+        + (f", offline teacher cache {cache:.0f} bytes/token" if cache is not None else "")
+        + f" -> {root}"
     )
 
 

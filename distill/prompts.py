@@ -303,6 +303,17 @@ def _content_id(messages: list[dict]) -> str:
     return f"p-{digest[:12]}"
 
 
+def prompt_key(record: PromptRecord) -> tuple:
+    """What makes two prompts the same one: their messages, case and whitespace aside (ids differ across sources)."""
+    return tuple((m["role"], " ".join(str(m["content"]).split()).lower()) for m in record.messages)
+
+
+def without_prompts(records: Sequence[PromptRecord], others: Sequence[PromptRecord]) -> list[PromptRecord]:
+    """`records` minus those whose messages also appear in `others` (order kept): keeps train and eval disjoint."""
+    keys = {prompt_key(r) for r in others}
+    return [r for r in records if prompt_key(r) not in keys]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # train / eval split
 

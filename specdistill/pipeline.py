@@ -10,6 +10,7 @@ single-process stages (export, promote) run on rank 0 only.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -85,24 +86,39 @@ def stage_distill(cfg: RootConfig, dist: Dist, teacher_data) -> dict[str, Path]:
     return run_distill(cfg, teacher_data)
 
 
-def eval_prompts(source: str, tokenizer, limit: int):
-    from distill.prompts import load_prompts, render_chat
+def eval_prompts(source: str, tokenizer, limit: int, *, trained_on: str | None = None, log=print):
+    """The eval prompts; with `trained_on` (the drafts' data.prompts) those the drafts were trained on are left out,
+    so acceptance is measured on held-out prompts only."""
+    from distill.data import SELF_INSTRUCT
+    from distill.prompts import load_prompts, render_chat, without_prompts
     from eval.sweep import EvalPrompt
 
-    records = load_prompts(source, limit=limit or None)
+    records = load_prompts(source)
+    if trained_on and trained_on != SELF_INSTRUCT:
+        held_out = without_prompts(records, load_prompts(trained_on))
+        if len(held_out) < len(records):
+            log(f"eval: left out {len(records) - len(held_out)} of {len(records)} prompts of {source} that the drafts "
+                f"were trained on (data.prompts={trained_on})")
+        records = held_out
     if not records:
-        raise ValueError(f"the eval prompt set {source!r} is empty; pass a prompt file with at least one prompt")
+        raise ValueError(f"the eval prompt set {source!r} has no prompt the drafts were not trained on; pass "
+                         "held-out prompts (eval.prompts, e.g. builtin:eval)")
+    records = records[:limit or None]
     return [EvalPrompt(id=r.id, category=r.category, ids=render_chat(tokenizer, r.messages)) for r in records]
 
 
-def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target=None) -> Path:
-    """Sweep every candidate against target-only decoding; write report.json/md/html; returns report.json."""
+def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target=None,
+               trained_on: str | None = None) -> Path:
+    """Sweep every candidate against target-only decoding; write report.json/md/html; returns report.json.
+
+    `trained_on`: the candidates' training prompts (data.prompts), left out of the eval prompts."""
     from eval.report import write_reports
     from eval.sweep import evaluate, recommend, save_report
     from train.tracking import make_tracker
 
     target_model, tokenizer, _ = target or load_target(cfg, dist)
-    prompts = eval_prompts(cfg.eval.prompts, tokenizer, cfg.eval.max_prompts)
+    prompts = eval_prompts(cfg.eval.prompts, tokenizer, cfg.eval.max_prompts, trained_on=trained_on,
+                           log=functools.partial(print0, dist))
     report = evaluate(target_model, tokenizer, candidates, prompts, cfg.eval, target_spec=cfg.target.model,
                       seed=cfg.seed, device=dist.device, dtype=cfg.target.dtype, rank=dist.rank,
                       world_size=dist.world_size, gather=dist.gather)
@@ -199,7 +215,8 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
         print0(dist, f"[3/5] eval: up to date ({report_path})")
     else:
         print0(dist, f"[3/5] eval -> {out / 'eval'}")
-        stage_eval(cfg, dist, config_candidates(cfg), out_dir=out / "eval", target=target)
+        stage_eval(cfg, dist, config_candidates(cfg), out_dir=out / "eval", target=target,
+                   trained_on=cfg.data.prompts)
     result = {"report": report_path, "html": out / "eval" / "report.html", "serving": serving_path(cfg)}
     if dist.is_main:
         print0(dist, "[4/5] export + [5/5] promote")

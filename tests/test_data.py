@@ -42,7 +42,7 @@ def write_prompts(path: Path, n: int, prefix: str = "p") -> Path:
         {
             "id": f"{prefix}{i}",
             "category": ("qa", "writing")[i % 2],
-            "prompt": f"Tell me about {TOPICS[i % 10]}" + "!" * i,
+            "prompt": f"{'Tell me about' if prefix == 'p' else 'What is'} {TOPICS[i % 10]}" + "!" * i,
         }
         for i in range(n)
     ]
@@ -315,3 +315,24 @@ def test_unfinished_folder_is_refused(tmp_path):
     (tmp_path / "teacher-abc" / "shards").mkdir(parents=True)
     with pytest.raises(ValueError, match="not a finished teacher dataset"):
         load_teacher_data(tmp_path / "teacher-abc")
+
+
+def test_training_prompts_that_are_eval_prompts_are_dropped(tiny, tmp_path, capsys):
+    # Training prompts p0 and p1 become the eval prompts e0 and e1, p1 with other case and spacing: the same prompt
+    # under another id. Both are dropped.
+    cfg = make_cfg(tmp_path, n_train=6, n_eval=2)
+    rows = [json.loads(line) for line in Path(cfg.prompts).read_text().splitlines()]
+    rows[0]["prompt"] = f"What is {TOPICS[0]}"
+    rows[1]["prompt"] = f"  what IS   {TOPICS[1]}!"
+    Path(cfg.prompts).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run(tiny, cfg, tmp_path / "data")
+    assert "dropped 2 of 6 training prompts that are also held-out eval prompts" in capsys.readouterr().out
+    trained = {row_id.split("#")[0] for row_id in load_teacher_data(result.train)["id"]}
+    assert trained == {"p2", "p3", "p4", "p5"}
+
+
+def test_training_on_the_eval_prompts_only_is_refused(tiny, tmp_path):
+    cfg = make_cfg(tmp_path, n_eval=3)
+    with pytest.raises(ValueError, match="every training prompt is also a held-out eval prompt"):
+        run(tiny, dataclasses.replace(cfg, prompts=cfg.eval_prompts), tmp_path / "data")
+    assert not (tmp_path / "data").exists()

@@ -273,3 +273,23 @@ def test_data_and_distill_on_two_processes_with_the_shipped_launcher_file(env, t
         last = sorted((out / "candidates" / cand / "checkpoints").glob("step-*"))[-1]
         assert json.loads((last / "trainer_state.json").read_text())["world_size"] == 2
         assert (out / "candidates" / cand / "best" / "model.safetensors").is_file()
+
+
+def test_eval_leaves_out_the_prompts_the_drafts_were_trained_on(tmp_path, isolated_cache):
+    from specdec_runtime.loading import load_model
+    from specdistill.pipeline import eval_prompts
+
+    _, tokenizer = load_model("random:tiny-llama", device="cpu")
+    rows = [{"id": f"q{i}", "prompt": f"Question number {i}?"} for i in range(6)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trained = [{"id": "t0", "prompt": "question NUMBER 2?"}, {"id": "t1", "prompt": "Something else"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trained))
+
+    logs = []
+    kept = eval_prompts(str(tmp_path / "eval.jsonl"), tokenizer, 4, trained_on=str(tmp_path / "train.jsonl"),
+                        log=logs.append)
+    assert [p.id for p in kept] == ["q0", "q1", "q3", "q4"]  # the limit applies to the held-out prompts
+    assert logs and "left out 1 of 6 prompts" in logs[0]
+    assert [p.id for p in eval_prompts(str(tmp_path / "eval.jsonl"), tokenizer, 0)] == [r["id"] for r in rows]
+    with pytest.raises(ValueError, match="no prompt the drafts were not trained on"):
+        eval_prompts(str(tmp_path / "train.jsonl"), tokenizer, 0, trained_on=str(tmp_path / "train.jsonl"))
