@@ -228,10 +228,11 @@ def test_topk_from_logits_matches_log_softmax():
     assert torch.equal(ids.long(), full.topk(5, -1).indices)
 
 
-def test_teacher_cache_holds_the_teachers_top_k(tiny, tmp_path):
+def test_teacher_cache_holds_the_teachers_top_k(tiny, tmp_path, capsys):
     teacher, _ = tiny
     cfg = make_cfg(tmp_path, n_train=6, teacher_cache=True, teacher_cache_top_k=32)
     out = run(tiny, cfg, tmp_path / "data")
+    assert "offline teacher cache 192 bytes/token" in capsys.readouterr().out  # 32 x (int32 id + float16 logprob)
     ds = load_teacher_data(out.train)
     assert str(ds.data.schema.field("topk_ids").type) == "list<item: fixed_size_list<item: int32>[32]>"
     assert str(ds.data.schema.field("topk_logprobs").type) == "list<item: fixed_size_list<item: halffloat>[32]>"
