@@ -153,6 +153,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}.{hint}")
         return value
     if dataclasses.is_dataclass(tp):
+        shorthand = getattr(tp, "SHORTHAND", None)
+        if shorthand is not None and isinstance(value, str):  # e.g. `tracking: none` = `tracking: {backend: none}`
+            value = {shorthand: value}
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping (section {tp.__name__}), got {type(value).__name__}")
         return from_dict(tp, value, path + ".")

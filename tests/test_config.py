@@ -168,3 +168,14 @@ def test_cli_config_show_and_errors():
     assert bad.returncode == 2
     assert "Did you mean 'max_steps'" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_tracking_none_is_shorthand_for_its_backend(tmp_path):
+    data = yaml.safe_load((CONFIGS / "smoke.yaml").read_text())
+    data["tracking"] = "none"
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_config(path).tracking.backend == "none"
+    assert load_config(CONFIGS / "smoke.yaml", ["tracking=none"]).tracking.backend == "none"
+    with pytest.raises(ConfigError, match="tracking.backend: 'nope' is not one of 'wandb', 'none'"):
+        load_config(CONFIGS / "smoke.yaml", ["tracking=nope"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 
 @dataclass
@@ -61,6 +61,8 @@ class TrainConfig:
 
 @dataclass
 class TrackingConfig:
+    SHORTHAND: ClassVar[str] = "backend"  # `tracking: none` in YAML (or tracking=none) means `tracking.backend: none`
+
     backend: Literal["wandb", "none"] = "wandb"
     """wandb, or none to log to the console only."""
     project: str = "specdistill"
