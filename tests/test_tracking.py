@@ -4,6 +4,7 @@ elsewhere."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ from test_train import tiny_setup, train_config
 from eval.report import TRACKER_COLUMNS, write_reports
 from train.config import TrackingConfig
 from train.tracking import NoOpTracker, is_secret_key, make_tracker, resolve_mode, strip_secrets
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_wandb_records(run_file: Path) -> list:
@@ -85,6 +88,20 @@ def test_auto_mode_follows_the_environment(monkeypatch):
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     assert resolve_mode("auto") == "online"
+
+
+def test_auto_mode_is_offline_without_any_key_and_never_prompts(tmp_path):
+    """A fresh machine: no WANDB_* variables, an empty home (no netrc, no wandb settings), stdin closed."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "NETRC"))}
+    env |= {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / ".config"), "PYTHONPATH": str(ROOT)}
+    code = "from train.tracking import resolve_mode; print(resolve_mode('auto'))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "offline"
 
 
 def test_offline_run_holds_the_metrics_and_no_secret(tmp_path):
