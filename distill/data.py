@@ -131,6 +131,7 @@ def generate_teacher_data(
         if not records:
             raise ValueError(f"no prompts to answer from {source!r}; pass a prompt set with at least one prompt")
         prompt_ids[split] = render_prompts(tokenizer, records, cfg.max_prompt_tokens)
+        check_context(teacher, records, prompt_ids[split], cfg.max_new_tokens)
     with _datasets_bars_off():
         paths = {
             split: _generate_split(
@@ -172,6 +173,20 @@ def _cache_payload(table) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Leaf functions
+
+
+def check_context(teacher, records: list[PromptRecord], prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse, before any generation, a prompt whose answer could run past the teacher's context window."""
+    context = getattr(teacher.config, "max_position_embeddings", None)
+    if not context:
+        return
+    longest = max(range(len(records)), key=lambda i: len(prompt_ids[i]))
+    if len(prompt_ids[longest]) + max_new_tokens > context:
+        raise ValueError(
+            f"prompt {records[longest].id!r} has {len(prompt_ids[longest])} tokens: with data.max_new_tokens="
+            f"{max_new_tokens} it exceeds the teacher's context of {context} tokens; lower data.max_new_tokens or "
+            "data.max_prompt_tokens (longer prompts are refused)"
+        )
 
 
 def drop_held_out(

@@ -312,6 +312,14 @@ def test_long_prompt_is_refused_by_id(tiny, tmp_path, field):
     assert not (tmp_path / "data").exists()  # refused before anything is generated
 
 
+def test_answers_that_would_overrun_the_teachers_context_are_refused_up_front(tiny, tmp_path):
+    teacher, _ = tiny
+    context = teacher.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"exceeds the teacher's context of {context} tokens"):
+        run(tiny, make_cfg(tmp_path, max_new_tokens=context), tmp_path / "data")
+    assert not (tmp_path / "data").exists()
+
+
 def test_unfinished_folder_is_refused(tmp_path):
     (tmp_path / "teacher-abc" / "shards").mkdir(parents=True)
     with pytest.raises(ValueError, match="not a finished teacher dataset"):
