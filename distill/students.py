@@ -255,6 +255,11 @@ def add_lora(student: PreTrainedModel, r: int, alpha: float, dropout: float, tar
     return model
 
 
+def lora_base(model: PeftModel) -> PreTrainedModel:
+    """A plain copy of a LoRA student's frozen base: the adapters removed, not merged (`model` keeps training)."""
+    return copy.deepcopy(model).unload()
+
+
 def merge_student(model: PreTrainedModel | PeftModel) -> PreTrainedModel:
     """A plain model with the LoRA adapters merged into its weights (a copy; `model` keeps training).
     A model without adapters is returned as it is."""

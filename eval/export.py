@@ -43,10 +43,14 @@ def _has_weights(folder: Path, exclude: str = "") -> bool:
 
 
 def _lora_base(checkpoint: Path) -> Path | str:
-    """Where the adapter's base model lives: the folder itself when it holds base weights, else the adapter's
-    `base_model_name_or_path`."""
+    """Where the adapter's base model lives: the folder itself when it holds base weights, the run's lora_base/ for
+    a step checkpoint of a LoRA-on-truncate student (<cand>/checkpoints/step-N -> <cand>/lora_base), else the
+    adapter's `base_model_name_or_path`."""
     if (checkpoint / "config.json").is_file() and _has_weights(checkpoint, exclude="adapter_model.safetensors"):
         return checkpoint
+    run_base = checkpoint.parent.parent / "lora_base"
+    if checkpoint.parent.name == "checkpoints" and (run_base / "config.json").is_file():
+        return run_base
     base = json.loads((checkpoint / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base:
         raise ValueError(

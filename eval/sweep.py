@@ -111,13 +111,13 @@ def check_draft_folder(path: Path) -> None:
 def load_draft(cand: Candidate, device: str, dtype: str):
     """Load a candidate's draft; a LoRA adapter folder is merged into its base for decoding."""
     if (cand.path / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
-        from transformers import AutoTokenizer
-
+        from eval.export import load_checkpoint
         from specdec_runtime.loading import resolve_dtype
 
-        model = AutoPeftModelForCausalLM.from_pretrained(cand.path, dtype=resolve_dtype(dtype, device))
-        return model.merge_and_unload().to(device).eval(), AutoTokenizer.from_pretrained(cand.path)
+        # The export loader: it finds the adapters' real base (a truncated student's lora_base/) and refuses a base
+        # whose architecture is not the one the adapters were trained on.
+        model, tokenizer, _ = load_checkpoint(cand.path)
+        return model.to(device=device, dtype=resolve_dtype(dtype, device)).eval(), tokenizer
     return load_model(str(cand.path), dtype=dtype, device=device)
 
 

@@ -520,6 +520,32 @@ def test_lora_student_resumes_its_adapters_and_exports_merged(tmp_path, tiny):
     assert not any("lora" in name for name, _ in merged.named_parameters())
 
 
+def test_lora_step_checkpoints_of_a_truncated_student_evaluate_as_that_student(tmp_path, tiny):
+    """Step checkpoints hold adapters only; their base is the truncated teacher in lora_base/, not the full teacher
+    their adapter_config names. eval must load base + adapters and get the student that was trained."""
+    import shutil
+
+    from eval.sweep import load_draft, resolve_candidates
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny
+    cfg = train_config(tmp_path / "run", "draft.lora=true", "draft.lora_r=4", "train.keep_last=2")
+    cand = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    assert (cand / "lora_base" / "config.json").is_file()
+    best_step = json.loads((cand / "best" / "metrics.json").read_text())["step"]
+
+    found = {c.name: c for c in resolve_candidates([cand])}
+    ckpt = found[f"draft@step-{best_step:06d}"]
+    draft, _ = load_draft(ckpt, "cpu", "float32")
+    best, _ = load_draft(found["draft"], "cpu", "float32")
+    assert draft.config.num_hidden_layers == 2 < teacher.config.num_hidden_layers
+    assert_same_weights(dict(draft.state_dict()), dict(best.state_dict()), atol=1e-6)  # base + adapters == merged
+
+    shutil.rmtree(cand / "lora_base")  # without it the named base is the 4-layer teacher: refused, not guessed
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        load_draft(ckpt, "cpu", "float32")
+
+
 def test_epochs_mode_runs_whole_passes_over_the_data(tmp_path, tiny):
     from train.loop import distill
 

@@ -13,6 +13,8 @@ Layout, with <cand> = <output_dir>/candidates/<name>:
         config.yaml                         the resolved config the run was started with
         COMPLETE                            written last: a folder without it is half-written and never resumed
     <cand>/best/                            merged HF model + tokenizer + metrics.json (highest expected_acceptance)
+    <cand>/lora_base/                       LoRA on a truncated student: its frozen base (HF model), written once,
+                                            so the adapter-only step checkpoints can be evaluated and exported
     <cand>/DONE                             the finished run's config fingerprint
 
 Every folder is written under a temporary name and renamed into place, so a killed run leaves either the old
@@ -39,6 +41,7 @@ PREFIX = "step-"
 MODEL_FILE = "model.safetensors"
 ZERO_KEY = "zero_partitions"  # the optimizer state of a DeepSpeed run: {ZERO_KEY: [rank 0's, rank 1's, ...]}
 ZERO_FILE = "optimizer-zero.pt"
+LORA_BASE = "lora_base"  # <cand>/lora_base/: the frozen base of a LoRA student that no hub id or folder names
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
@@ -261,6 +264,13 @@ def latest_checkpoint(root: Path, *, adapter: bool, log: Callable[[str], None] =
 
 # ----------------------------------------------------------------------------------------------------------------
 # best/ and DONE
+
+
+def save_folder(folder: Path, write_model_fn: Callable[[Path], None]) -> None:
+    """Write an HF-format folder atomically (temp folder, then rename)."""
+    tmp = _fresh_tmp(folder.parent, folder.name)
+    write_model_fn(tmp)
+    _replace_dir(tmp, folder)
 
 
 def save_best(best: Path, write_model_fn: Callable[[Path], None], metrics: dict[str, Any]) -> None:

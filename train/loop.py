@@ -63,10 +63,11 @@ from distill.objectives import (
     expected_acceptance_from_logits,
     greedy_match,
 )
-from distill.students import build_student, describe_student, merge_student
+from distill.students import build_student, describe_student, lora_base, merge_student
 from specdec_runtime.loading import check_vocab_compatible, load_model
 from specdistill.config import RootConfig, candidate_config, candidate_names, dump_yaml, to_dict
 from train.checkpoint import (
+    LORA_BASE,
     ZERO_KEY,
     TrainerState,
     apply_model_state,
@@ -77,6 +78,7 @@ from train.checkpoint import (
     rng_state,
     save_best,
     save_checkpoint,
+    save_folder,
     set_rng_state,
     write_done,
     write_model,
@@ -468,7 +470,7 @@ def config_drift(saved: dict, current: dict) -> list[str]:
 
 def _start_over(cand: Path) -> None:
     """train.resume=false: drop the previous run's checkpoints, best model, metrics and DONE marker."""
-    for name in ("checkpoints", "best"):
+    for name in ("checkpoints", "best", LORA_BASE):
         shutil.rmtree(cand / name, ignore_errors=True)
     for name in ("metrics.jsonl", "DONE"):
         (cand / name).unlink(missing_ok=True)
@@ -547,6 +549,13 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
         teacher, cfg.draft, load_model=load_draft, check_vocab=check_vocab, teacher_tokenizer=tokenizer
     )
     print0(describe_student(student, teacher))
+    if is_main and isinstance(student, PeftModel) and cfg.draft.init == "truncate":
+        # Step checkpoints hold only the adapters; their base, a truncated teacher, exists nowhere else.
+        if not (cand / LORA_BASE / "config.json").is_file():
+            save_folder(
+                cand / LORA_BASE,
+                functools.partial(write_model, model=lora_base(student), state_dict=None, tokenizer=tokenizer),
+            )
     if cache:
         teacher = None
     elif shard:
