@@ -131,6 +131,7 @@ def test_wrong_type(tmp_path):
 @pytest.mark.parametrize("override, match", [
     ("train.lr=-1", "lr must be > 0"),
     ("distill.lmbda=1.5", r"lmbda must be in \[0, 1\]"),
+    ("distill.lmbda=-0.1", r"lmbda must be in \[0, 1\]"),
     ("data.top_p=0", r"top_p must be in \(0, 1\]"),
     ("eval.num_draft_tokens=[0, 2]", "num_draft_tokens"),
     ("distill.objective=kl", "unknown objective 'kl'; valid objectives: forward_kl, reverse_kl, jsd, tv, ce"),

@@ -296,6 +296,19 @@ def test_lora_trains_only_adapters_and_merges_exactly():
     assert merge_student(teacher) is teacher
 
 
+def test_lora_on_a_pretrained_student_wraps_the_loaded_model():
+    words = [f"w{i}" for i in range(VOCAB)]
+    draft = _teacher(num_layers=2, seed=1)
+    load_model, calls = _loader(draft, _tokenizer(words))
+    cfg = DraftConfig(init="pretrained", pretrained="tiny/draft", lora=True, lora_r=2, lora_target_modules=["v_proj"])
+    student = build_student(_teacher(), cfg, load_model=load_model, teacher_tokenizer=_tokenizer(words))
+    assert calls == ["tiny/draft"] and isinstance(student, PeftModel)
+    assert student.get_base_model() is draft  # the pretrained model itself, not a truncated teacher
+    trainable = [n for n, p in student.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 2 and all("lora_" in n for n in trainable)  # 2 layers x v_proj x (A, B)
+    assert merge_student(student).config.num_hidden_layers == 2
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # describe
 
