@@ -10,6 +10,8 @@
     N GPUs (FSDP):     accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes N \
                            -m specdistill distill configs/llama-3.1-8b.yaml
                        (the teacher is then sharded too: train.shard_teacher, see `shard_teacher`)
+    N GPUs (ZeRO-2):   accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml --num_processes N \
+                           -m specdistill distill configs/llama-3.1-8b.yaml       (see `configure_deepspeed`)
 
 From Python, `run_distill(cfg, teacher_data)` trains every candidate and `distill(cfg, name, teacher_data)` one.
 
