@@ -142,18 +142,21 @@ def _term(name: str, t: Tensor | None, s: Tensor | None, s1: Tensor, labels: Ten
 
 def _chunk_sums(
     student: Tensor,
-    teacher_logits: Tensor | None,
     topk_logprobs: Tensor | None,
     topk_indices: Tensor | None,
     labels: Tensor | None,
     mask: Tensor,
     lm_head_weight: Tensor | None,
     *,
+    teacher_logits: Tensor | None,
     names: tuple[str, ...],
     kd_temperature: float,
     beta: float,
 ) -> Tensor:
     """Sum over the chunk's valid positions of each term in `names`: (len(names),)."""
+    if teacher_logits is not None and teacher_logits.is_inference() and torch.is_grad_enabled():
+        # Autograd cannot save an inference tensor; a copy of this chunk only (recomputed in backward) is enough.
+        teacher_logits = teacher_logits.clone()
     logits = student if lm_head_weight is None else student @ lm_head_weight.T  # (N, D) -> (N, V)
     s1 = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (N, V) student log-probs at temperature 1
     t = s = None
@@ -252,9 +255,9 @@ def distill_loss(
         return None if x is None else x.reshape(N, *x.shape[2:])  # (B, T, ...) -> (N, ...)
 
     teacher = teacher if any(name in KD_TERMS for name in names) else None
+    teacher_logits = rows(teacher.logits) if teacher else None
     tensors = [
         rows(student),
-        rows(teacher.logits) if teacher else None,
         rows(teacher.topk_logprobs) if teacher else None,
         rows(teacher.topk_indices) if teacher else None,
         rows(labels) if "ce" in names else None,
@@ -266,7 +269,12 @@ def distill_loss(
     for start in range(0, max(N, 1), chunk_size):
         chunk = [None if x is None else x[start : start + chunk_size] for x in tensors]
         chunk.append(lm_head_weight)
-        sums.append(checkpoint(fn, *chunk, use_reentrant=False) if recompute else fn(*chunk))
+        # The teacher's logits are bound, not passed: a checkpoint saves its inputs, and the teacher's (made under
+        # inference_mode, never requiring grad) then need no full-size copy.
+        bound = functools.partial(
+            fn, teacher_logits=None if teacher_logits is None else teacher_logits[start : start + chunk_size]
+        )
+        sums.append(checkpoint(bound, *chunk, use_reentrant=False) if recompute else bound(*chunk))
     total = torch.stack(sums).sum(0)  # (len(names),)
 
     count = mask.sum() if num_items is None else torch.as_tensor(num_items, device=mask.device)

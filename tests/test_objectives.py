@@ -126,6 +126,20 @@ def test_chunked_equals_unchunked_with_gradients(teacher_kind):
         torch.testing.assert_close(grad, results[-1][1])
 
 
+def test_teacher_logits_from_inference_mode_need_no_copy_and_give_the_same_gradients():
+    """The training loop hands distill_loss the teacher's logits as they come out of torch.inference_mode."""
+    student, teacher, labels, mask = _batch()
+    with torch.inference_mode():
+        frozen = teacher.clone()
+    objective = {"forward_kl": 1.0, "reverse_kl": 0.5, "jsd": 0.5, "tv": 1.0, "ce": 0.3}
+    grads = []
+    for logits in (teacher, frozen):
+        loss = _loss(student, TeacherTargets(logits=logits), labels, mask, objective, chunk_size=4, kd_temperature=2.0)
+        grads.append((loss.detach(), *torch.autograd.grad(loss, student)))
+    assert frozen.is_inference()
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
 def test_hidden_states_path_equals_logits_path():
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(B, T, 5, generator=g, requires_grad=True)

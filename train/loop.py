@@ -234,17 +234,16 @@ def teacher_forward(teacher, batch: dict[str, Tensor]) -> Tensor:
         return teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
 
 
-def teacher_targets(teacher, batch: dict[str, Tensor], *, train: bool) -> TeacherTargets:
+def teacher_targets(teacher, batch: dict[str, Tensor]) -> TeacherTargets:
     if teacher is None:
         return TeacherTargets(topk_logprobs=batch["topk_logprobs"], topk_indices=batch["topk_ids"])
-    logits = teacher_forward(teacher, batch)
-    # Inference tensors cannot be saved for backward; a clone made outside inference mode can.
-    return TeacherTargets(logits=logits.clone() if train else logits)
+    # An inference tensor; distill_loss copies it chunk by chunk where autograd needs a normal one.
+    return TeacherTargets(logits=teacher_forward(teacher, batch))
 
 
 def loss_step(student, teacher, batch: dict[str, Tensor], dc: DistillConfig, num_items: Tensor) -> Tensor:
     """This micro-batch's share of the step loss: its token-summed objective over the step's global token count."""
-    targets = teacher_targets(teacher, batch, train=True)
+    targets = teacher_targets(teacher, batch)
     logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     labels = batch["labels"]
     loss, _ = distill_loss(
@@ -301,7 +300,7 @@ def evaluate(student, teacher, eval_ds, accelerator: Accelerator, cfg: RootConfi
         labels = batch["labels"]
         mask = labels != IGNORE
         logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        targets = teacher_targets(teacher, batch, train=False)
+        targets = teacher_targets(teacher, batch)
         loss, terms = distill_loss(
             logits,
             targets,
