@@ -546,6 +546,42 @@ def test_lora_step_checkpoints_of_a_truncated_student_evaluate_as_that_student(t
         load_draft(ckpt, "cpu", "float32")
 
 
+def test_student_logits_chunked_in_the_loss_train_like_full_logits(tmp_path, tiny, monkeypatch):
+    """The loop multiplies the student's hidden states by its head chunk by chunk inside the loss (no (B, T, V)
+    student logits): same steps as the full-logits path. A head the check cannot reproduce keeps the full path."""
+    import train.loop as loop
+    from distill.students import DraftConfig, build_student
+
+    teacher, tokenizer, data = tiny
+    student = build_student(teacher, DraftConfig(num_layers=2))
+    assert loop.chunked_head(student) is student.get_output_embeddings().weight
+    student.lm_head = torch.nn.Linear(student.config.hidden_size, student.config.vocab_size, bias=True)
+    assert loop.chunked_head(student) is None
+
+    heads = []
+    real = loop.chunked_head
+    monkeypatch.setattr(loop, "chunked_head", lambda model: heads.append(real(model)) or heads[-1])
+    chunked = loop.distill(train_config(tmp_path / "chunked"), "draft", data, teacher=teacher, tokenizer=tokenizer)
+    monkeypatch.setattr(loop, "chunked_head", lambda model: heads.append(None))
+    full = loop.distill(train_config(tmp_path / "full"), "draft", data, teacher=teacher, tokenizer=tokenizer)
+    assert heads[0] is not None and heads[1] is None
+    assert_same_logs(metric_rows(chunked), metric_rows(full))
+    assert_same_weights(final_weights(chunked, 2), final_weights(full, 2), atol=1e-5)
+
+
+@pytest.mark.parametrize("lora", ["false", "true"])
+def test_bf16_autocast_trains_with_the_chunked_head(tmp_path, tiny, lora):
+    """accelerate autocasts the student's forward (bf16 on CUDA; here on the CPU) and the loop enters the same
+    autocast for the head matmul it moved into the loss: a plain and a LoRA student train to finite losses."""
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny
+    cfg = train_config(tmp_path, "train.mixed_precision=bf16", f"draft.lora={lora}")
+    cand = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    rows = metric_rows(cand)
+    assert rows[-1]["step"] == 2 and all(math.isfinite(r.get("train/loss", 0.0)) for r in rows)
+
+
 def test_epochs_mode_runs_whole_passes_over_the_data(tmp_path, tiny):
     from train.loop import distill
 

@@ -30,6 +30,7 @@ object per logged row, {"step": N, "train/loss", "train/lr", "train/grad_norm", 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -37,6 +38,8 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -241,23 +244,82 @@ def teacher_targets(teacher, batch: dict[str, Tensor]) -> TeacherTargets:
     return TeacherTargets(logits=teacher_forward(teacher, batch))
 
 
-def loss_step(student, teacher, batch: dict[str, Tensor], dc: DistillConfig, num_items: Tensor) -> Tensor:
-    """This micro-batch's share of the step loss: its token-summed objective over the step's global token count."""
-    targets = teacher_targets(teacher, batch)
-    logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    labels = batch["labels"]
-    loss, _ = distill_loss(
-        logits,
-        targets,
-        labels,
-        labels != IGNORE,
-        dc.objective,
-        kd_temperature=dc.kd_temperature,
-        beta=dc.beta,
-        num_items=num_items,
-        chunk_size=dc.chunk_size,
+def chunked_head(model) -> Tensor | None:
+    """The student's output projection W when its logits are exactly final_hidden @ W.T, else None.
+
+    With it the loss computes the student's logits chunk by chunk (and their gradient in backward), so the full
+    (B, T, V) student logits never exist. Checked on a small batch, not assumed: a head with a bias, logit scaling
+    or soft-capping (Gemma-2, Cohere), or a model without `logits_to_keep`, keeps the full-logits path.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    ids = torch.arange(8, device=head.weight.device)[None] % model.config.vocab_size  # (1, 8)
+    was_training = model.training
+    model.eval()  # no dropout: the two forwards must see the same weights and draw no random numbers
+    try:
+        with torch.no_grad():
+            full = model(input_ids=ids, use_cache=False).logits
+            hidden = student_hidden(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    except (TypeError, ValueError, AttributeError):  # no logits_to_keep / output_hidden_states
+        return None
+    finally:
+        model.train(was_training)
+    exact = torch.allclose((hidden @ head.weight.T).float(), full.float(), rtol=1e-4, atol=1e-4)
+    return head.weight if exact else None
+
+
+def student_hidden(student, batch: dict[str, Tensor]) -> Tensor:
+    """(B, T, D) final (normed) hidden states, through the prepared model so DDP / DeepSpeed hooks run; the head is
+    applied to one position only (logits_to_keep=1)."""
+    out = student(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=1,
     )
+    return out.hidden_states[-1]
+
+
+def loss_step(
+    student,
+    teacher,
+    batch: dict[str, Tensor],
+    dc: DistillConfig,
+    num_items: Tensor,
+    head: Tensor | None = None,
+    autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+) -> Tensor:
+    """This micro-batch's share of the step loss: its token-summed objective over the step's global token count.
+
+    `head`: the student's output weight (see `chunked_head`), or None for the full-logits path. `autocast`: the
+    student forward's mixed-precision context (accelerate applies it inside the prepared forward), entered here for
+    the chunked head matmul, which runs in the loss instead.
+    """
+    targets = teacher_targets(teacher, batch)
+    if head is None:
+        outputs = dict(student_logits=student(**batch_inputs(batch), use_cache=False).logits)
+    else:
+        outputs = dict(student_logits=None, student_hidden=student_hidden(student, batch), lm_head_weight=head)
+    labels = batch["labels"]
+    with autocast():
+        loss, _ = distill_loss(
+            teacher=targets,
+            labels=labels,
+            mask=labels != IGNORE,
+            objective=dc.objective,
+            kd_temperature=dc.kd_temperature,
+            beta=dc.beta,
+            num_items=num_items,
+            chunk_size=dc.chunk_size,
+            **outputs,
+        )
     return loss
+
+
+def batch_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
 @torch.no_grad()
@@ -621,7 +683,11 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
                 "train.resume=false to start over or use another output_dir"
             )
         apply_model_state(student, ckpt.model)
+    # Checked on the plain fp32 student, before accelerate wraps its forward in autocast. FSDP shards the head's
+    # weight, which the loss could not multiply by: the full-logits path there.
+    chunk_head = accelerator.distributed_type != DistributedType.FSDP and chunked_head(student) is not None
     student, prepared_optimizer = accelerator.prepare(student, optimizer)
+    head = accelerator.unwrap_model(student).get_output_embeddings().weight if chunk_head else None
     if ckpt is not None:
         load_optimizer_state(student, optimizer, ckpt.optimizer, deepspeed=deepspeed, world=world, path=ckpt.path)
         scheduler.load_state_dict(ckpt.scheduler)
@@ -727,7 +793,7 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
             step_loss = torch.zeros((), device=device)
             for batch in micro_batches:
                 with accelerator.accumulate(student):
-                    loss = loss_step(student, teacher, batch, dc, num_items)
+                    loss = loss_step(student, teacher, batch, dc, num_items, head, accelerator.autocast)
                     # The loss is already a share of the global mean: undo accelerate's division by grad_accum and
                     # DDP's gradient averaging over processes, so the shares add up.
                     accelerator.backward(loss * tc.grad_accum * world)
