@@ -96,6 +96,19 @@ def tiny_setup(root: Path):
     return teacher, tokenizer, make_teacher_data(root, teacher)
 
 
+def reference_run(tmp_path_factory, name: str, *overrides: str) -> tuple[Path, object, Path]:
+    """(root, teacher data, candidate folder) of one `draft` run in this process, for a module-scoped fixture; the
+    model cache is root/cache, for the subprocess runs compared with it."""
+    from train.loop import distill
+
+    root = tmp_path_factory.mktemp(name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
+        teacher, tokenizer, data = tiny_setup(root)
+        cand = distill(train_config(root / name, *overrides), "draft", data, teacher=teacher, tokenizer=tokenizer)
+    return root, data, cand
+
+
 def final_weights(cand: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(cand / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
 

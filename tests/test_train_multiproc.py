@@ -22,8 +22,7 @@ from test_train import (
     assert_same_weights,
     final_weights,
     metric_rows,
-    tiny_setup,
-    train_config,
+    reference_run,
 )
 
 COMMON = ("train.warmup_steps=0", "train.min_lr_ratio=1.0", "train.eval_every=2", "train.keep_last=1")
@@ -32,15 +31,7 @@ COMMON = ("train.warmup_steps=0", "train.min_lr_ratio=1.0", "train.eval_every=2"
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """(root, teacher data, run folder) of 3 steps in this process: 2 micro-batches of 2, global batch 4."""
-    from train.loop import distill
-
-    root = tmp_path_factory.mktemp("multiproc")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECDISTILL_CACHE", str(root / "model-cache"))
-        teacher, tokenizer, data = tiny_setup(root)
-        cfg = train_config(root / "single", *COMMON, "train.max_steps=3", "train.grad_accum=2")
-        single = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
-    return root, data, single
+    return reference_run(tmp_path_factory, "single", *COMMON, "train.max_steps=3", "train.grad_accum=2")
 
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
@@ -76,7 +67,7 @@ def run_two_processes(
             distill(cfg, "draft", data)
     """)
     )
-    env = os.environ | {"SPECDISTILL_CACHE": str(root / "model-cache"), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"SPECDISTILL_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, *launcher, str(script)], env=env, capture_output=True, text=True, timeout=600
     )

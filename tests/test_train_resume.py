@@ -23,7 +23,7 @@ from test_train import (
     assert_same_weights,
     final_weights,
     metric_rows,
-    tiny_setup,
+    reference_run,
     train_config,
 )
 
@@ -41,14 +41,7 @@ SETTINGS = (
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """An uninterrupted run with checkpoints at every step: (root, teacher data, candidate folder)."""
-    from train.loop import distill
-
-    root = tmp_path_factory.mktemp("resume")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
-        teacher, tokenizer, data = tiny_setup(root)
-        cand = distill(train_config(root / "reference", *SETTINGS), "draft", data, teacher=teacher, tokenizer=tokenizer)
-        yield root, data, cand
+    return reference_run(tmp_path_factory, "reference", *SETTINGS)
 
 
 def assert_matches_reference(cand: Path, reference: Path) -> None:

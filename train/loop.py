@@ -56,7 +56,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.optim.lr_scheduler import LambdaLR
-from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from distill.config import DataConfig, DistillConfig
@@ -234,7 +233,7 @@ def on_policy_rows(
 def teacher_forward(teacher, batch: dict[str, Tensor]) -> Tensor:
     """(B, T, V) teacher logits under inference_mode: the teacher never builds an autograd graph."""
     with torch.inference_mode():
-        return teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        return teacher(**batch_inputs(batch), use_cache=False).logits
 
 
 def teacher_targets(teacher, batch: dict[str, Tensor]) -> TeacherTargets:
@@ -473,10 +472,21 @@ def optimizer_state(student, optimizer, *, deepspeed: bool, is_main: bool) -> di
         return get_optimizer_state_dict(
             student, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-    mine = tree_map(lambda x: x.cpu() if isinstance(x, Tensor) else x, student.optimizer.state_dict())
+    mine = _to_cpu(student.optimizer.state_dict())
     partitions = [None] * torch.distributed.get_world_size() if is_main else None
     torch.distributed.gather_object(mine, partitions, dst=0)
     return {ZERO_KEY: partitions} if is_main else None
+
+
+def _to_cpu(tree: Any) -> Any:
+    """`tree` (dicts, lists, tuples of tensors and other values) with every tensor copied to the CPU."""
+    if isinstance(tree, Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return type(tree)((k, _to_cpu(v)) for k, v in tree.items())
+    if isinstance(tree, list | tuple):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
 
 
 def load_optimizer_state(student, optimizer, saved: dict, *, deepspeed: bool, world: int, path: Path) -> None:
