@@ -31,6 +31,7 @@ object per logged row, {"step": N, "train/loss", "train/lr", "train/grad_norm", 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -482,8 +483,13 @@ def _to_cpu(tree: Any) -> Any:
     """`tree` (dicts, lists, tuples of tensors and other values) with every tensor copied to the CPU."""
     if isinstance(tree, Tensor):
         return tree.cpu()
-    if isinstance(tree, dict):
-        return type(tree)((k, _to_cpu(v)) for k, v in tree.items())
+    if isinstance(tree, dict):  # a shallow copy keeps the mapping's type (OrderedDict, defaultdict)
+        out = copy.copy(tree)
+        for key, value in tree.items():
+            out[key] = _to_cpu(value)
+        return out
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
+        return type(tree)(*(_to_cpu(v) for v in tree))
     if isinstance(tree, list | tuple):
         return type(tree)(_to_cpu(v) for v in tree)
     return tree
