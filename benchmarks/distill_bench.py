@@ -261,18 +261,21 @@ def vm_rss_mb() -> float:
 
 def run_profile(args, data: TeacherData) -> dict:
     """One step of each trainer split into phases on the same batch, each phase the fastest of --profile-reps rounds
-    that run every phase in turn (so load from other processes hits all phases alike). The model forwards and
-    backward are the same HF modules in both; what differs is the loss function (with the RSS growth of its forward
-    and backward), the teacher-logits copy ours makes (`teacher_targets` clones the inference-mode logits so autograd
-    may save them) and the optimizer (train/loop.py: torch.optim.AdamW, per-tensor on the CPU; HF Trainer's default:
-    fused AdamW)."""
+    that run every phase in turn (so load from other processes hits all phases alike). The teacher forward is the
+    same; the student differs as the loops do: ours returns its final hidden states and the loss applies the head
+    chunk by chunk (train/loop.py `student_hidden` + `distill_loss(student_hidden=..., lm_head_weight=...)`, the
+    teacher's inference-mode logits used as they are), TRL's returns full logits and its loss takes them. Reported:
+    each phase, the RSS growth of each loss's forward + backward, and the optimizers (ours: torch.optim.AdamW,
+    per-tensor on the CPU; HF Trainer's default: fused AdamW)."""
     from trl.experimental.gkd import GKDTrainer
 
     from distill.objectives import TeacherTargets, distill_loss
-    from train.loop import collate, teacher_forward
+    from train.loop import chunked_head, collate, student_hidden, teacher_forward
 
     teacher, tokenizer = load_model(TEACHER, device="cpu")
     student = truncate_student(teacher, evenly_spaced_layers(teacher.config.num_hidden_layers, args.student_layers))
+    head = chunked_head(student)
+    assert head is not None, "the truncated SmolLM2 student's logits are hidden @ W.T"
     student.train()
     ds = load_teacher_data(data.train)
     rows = [ds[i] for i in epoch_order(len(ds), SEED, 0)[: args.batch_size]]
@@ -281,19 +284,23 @@ def run_profile(args, data: TeacherData) -> dict:
     labels, mask, beta = batch["labels"], batch["labels"] != IGNORE, 0.5 if args.objective == "jsd" else 0.0
     objective = {"jsd": 1.0} if args.objective == "jsd" else {"forward_kl": 1.0}
     model_in = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-    teacher_logits = teacher_forward(teacher, batch)  # (B, T, V)
-    targets = TeacherTargets(logits=teacher_logits.clone())
-    with torch.no_grad():
-        leaf = student(**model_in).logits.requires_grad_()  # (B, T, V); the losses' own backward stops here
+    teacher_logits = teacher_forward(teacher, batch)  # (B, T, V), an inference tensor
+    targets = TeacherTargets(logits=teacher_logits)
+    with torch.no_grad():  # the losses' own backward stops at these leaves
+        hidden_leaf = student_hidden(student, batch).requires_grad_()  # (B, T, D)
+        logits_leaf = student(**model_in).logits.requires_grad_()  # (B, T, V)
+        trl_teacher_logits = teacher_logits.clone()  # TRL's trainer runs its teacher under no_grad
 
     def loss_ours() -> None:
-        leaf.grad = None
-        distill_loss(leaf, targets, labels, mask, objective, beta=beta)[0].backward()
+        hidden_leaf.grad = None
+        distill_loss(
+            None, targets, labels, mask, objective, beta=beta, student_hidden=hidden_leaf, lm_head_weight=head
+        )[0].backward()
 
     def loss_trl() -> None:
-        leaf.grad = None
+        logits_leaf.grad = None
         # TRL's compute_loss shifts logits and labels by one first; `collate` has already aligned them.
-        GKDTrainer.generalized_jsd_loss(leaf, teacher_logits, labels=labels, beta=beta).backward()
+        GKDTrainer.generalized_jsd_loss(logits_leaf, trl_teacher_logits, labels=labels, beta=beta).backward()
 
     out = {}
     for name, fn in (("ours", loss_ours), ("trl", loss_trl)):
@@ -302,13 +309,14 @@ def run_profile(args, data: TeacherData) -> dict:
         reset_peak_rss()
         fn()
         out[f"loss_peak_rss_growth_{name}_mb"] = peak_rss_mb() - rss
-    grad, held = leaf.grad, {}
+    grads, held = {"ours": hidden_leaf.grad, "trl": logits_leaf.grad}, {}
+    head.grad = None  # the head's gradient from loss_ours stays out of the student backward below
 
-    def student_forward() -> None:
-        held["logits"] = student(**model_in).logits
+    def student_forward_ours() -> None:
+        held["ours"] = student_hidden(student, batch)
 
-    def student_backward() -> None:
-        held.pop("logits").backward(grad)
+    def student_forward_trl() -> None:
+        held["trl"] = student(**model_in).logits
 
     optimizers = {
         name: torch.optim.AdamW(student.parameters(), lr=args.lr, **kw)
@@ -316,11 +324,12 @@ def run_profile(args, data: TeacherData) -> dict:
     }
     phases = {
         "teacher_forward": lambda: teacher_forward(teacher, batch),
-        "teacher_logits_clone": teacher_logits.clone,
-        "student_forward": student_forward,
+        "student_forward_ours": student_forward_ours,
+        "student_forward_trl": student_forward_trl,
         "loss_fwd_bwd_ours": loss_ours,
         "loss_fwd_bwd_trl": loss_trl,
-        "student_backward": student_backward,
+        "student_backward_ours": lambda: held.pop("ours").backward(grads["ours"]),
+        "student_backward_trl": lambda: held.pop("trl").backward(grads["trl"]),
         "optimizer_step_ours": optimizers["ours"].step,
         "optimizer_step_trl": optimizers["trl"].step,
     }
@@ -330,16 +339,14 @@ def run_profile(args, data: TeacherData) -> dict:
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - start)
-    shared = best["teacher_forward"] + best["student_forward"] + best["student_backward"]
     return (
         out
         | {f"{name}_s": value for name, value in best.items()}
         | {
-            "sum_of_phases_ours_s": shared
-            + best["teacher_logits_clone"]
-            + best["loss_fwd_bwd_ours"]
-            + best["optimizer_step_ours"],
-            "sum_of_phases_trl_s": shared + best["loss_fwd_bwd_trl"] + best["optimizer_step_trl"],
+            f"sum_of_phases_{who}_s": best["teacher_forward"]
+            + sum(best[f"{phase}_{who}"] for phase in ("student_forward", "loss_fwd_bwd", "student_backward"))
+            + best[f"optimizer_step_{who}"]
+            for who in ("ours", "trl")
         }
     )
 
