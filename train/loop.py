@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import yaml
 from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 from peft import PeftModel
 from torch import Tensor
@@ -585,6 +586,9 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
     precision = ("bf16" if on_cuda else "no") if tc.mixed_precision == "auto" else tc.mixed_precision
     # DeepSpeed never runs with cpu=True; without CUDA it takes its CPU accelerator, and gloo must be named.
     deepspeed = deepspeed_requested()
+    # accelerate keeps one AcceleratorState per process and refuses an Accelerator with other settings (a second
+    # candidate with another mixed_precision); each distill() starts its own. The process group (PartialState) stays.
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(
         gradient_accumulation_steps=tc.grad_accum,
         mixed_precision=precision,
