@@ -595,6 +595,18 @@ def test_bf16_autocast_trains_with_the_chunked_head(tmp_path, tiny, lora):
     assert rows[-1]["step"] == 2 and all(math.isfinite(r.get("train/loss", 0.0)) for r in rows)
 
 
+def test_a_launcher_config_that_overrides_grad_accum_is_refused(tmp_path, tiny, monkeypatch):
+    """`accelerate launch` exports a config file's gradient_accumulation_steps, which accelerate would use instead of
+    train.grad_accum (the loss is scaled for the latter)."""
+    from train.loop import distill
+
+    teacher, tokenizer, data = tiny
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=3 but train.grad_accum=1: remove"):
+        distill(train_config(tmp_path), "draft", data, teacher=teacher, tokenizer=tokenizer)
+    assert not (tmp_path / "candidates" / "draft" / "checkpoints").exists()
+
+
 def test_epochs_mode_runs_whole_passes_over_the_data(tmp_path, tiny):
     from train.loop import distill
 

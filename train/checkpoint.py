@@ -7,7 +7,8 @@ Layout, with <cand> = <output_dir>/candidates/<name>:
                                             unmerged (adapter_model.safetensors + adapter_config.json) so they train on
         tokenizer files
         optimizer.pt, scheduler.pt          torch state dicts (the optimizer's full state, keyed by parameter name)
-        optimizer-zero.pt                   instead of optimizer.pt under DeepSpeed: ZeRO's partitions, one per rank
+        optimizer-zero-rankNNN.pt           instead of optimizer.pt under DeepSpeed: ZeRO's partition of each rank,
+                                            written by that rank (nothing is gathered on one device or host)
         rng.pt                              python, numpy, torch and CUDA RNG states, one entry per rank
         trainer_state.json                  step, data position, best metric, metrics history
         config.yaml                         the resolved config the run was started with
@@ -39,8 +40,8 @@ from safetensors.torch import load_file
 MARKER = "COMPLETE"
 PREFIX = "step-"
 MODEL_FILE = "model.safetensors"
-ZERO_KEY = "zero_partitions"  # the optimizer state of a DeepSpeed run: {ZERO_KEY: [rank 0's, rank 1's, ...]}
-ZERO_FILE = "optimizer-zero.pt"
+# The optimizer state of a DeepSpeed run as read back by one rank: {ZERO_KEY: its partition, ZERO_RANKS: how many}.
+ZERO_KEY, ZERO_RANKS = "zero_partition", "zero_ranks"
 LORA_BASE = "lora_base"  # <cand>/lora_base/: the frozen base of a LoRA student that no hub id or folder names
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -178,21 +179,47 @@ def set_rng_state(state: dict) -> None:
 # Step checkpoints
 
 
+ZERO_GLOB = "optimizer-zero-rank*.pt"
+
+
+def zero_file(rank: int) -> str:
+    return f"optimizer-zero-rank{rank:03d}.pt"
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    """The temporary folder step `step` is written into before it is renamed; every rank can name it."""
+    return root / f".tmp-{step_dir(root, step).name}"
+
+
+def begin_staging(root: Path, step: int) -> Path:
+    """An empty staging folder for step `step` (main process only), for the ranks to write their shards into."""
+    return _fresh_tmp(root, step_dir(root, step).name)
+
+
 def save_checkpoint(
     root: Path,
     state: TrainerState,
     *,
     write_model_fn: Callable[[Path], None],
-    optimizer: dict,
+    optimizer: dict | None,
     scheduler: dict,
     rng: list[dict],
     config_yaml: str,
 ) -> Path:
-    """Write `root/step-<state.step>/` atomically (temp folder, COMPLETE last, rename) and return it."""
+    """Write `root/step-<state.step>/` atomically (temp folder, COMPLETE last, rename) and return it.
+
+    `optimizer` None: a DeepSpeed run, whose ranks have already written their ZeRO partitions into the staging
+    folder (`begin_staging`, then `zero_file(rank)` in it); the rest is added to that folder.
+    """
     final = step_dir(root, state.step)
-    tmp = _fresh_tmp(root, final.name)
+    if optimizer is None:
+        tmp = staging_dir(root, state.step)
+        if not any(tmp.glob(ZERO_GLOB)):
+            raise RuntimeError(f"{tmp} holds no ZeRO partition: every rank must write its own before this call")
+    else:
+        tmp = _fresh_tmp(root, final.name)
+        torch.save(optimizer, tmp / "optimizer.pt")
     write_model_fn(tmp)
-    torch.save(optimizer, tmp / (ZERO_FILE if ZERO_KEY in optimizer else "optimizer.pt"))
     torch.save(scheduler, tmp / "scheduler.pt")
     torch.save(rng, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
@@ -217,8 +244,9 @@ def prune_checkpoints(root: Path, keep_last: int) -> None:
         shutil.rmtree(path)
 
 
-def read_checkpoint(path: Path, *, adapter: bool) -> Checkpoint:
-    """Load every file of a step folder; raise CorruptCheckpointError naming the first unreadable one."""
+def read_checkpoint(path: Path, *, adapter: bool, rank: int = 0) -> Checkpoint:
+    """Load every file of a step folder (of a DeepSpeed run: `rank`'s own ZeRO partition); raise
+    CorruptCheckpointError naming the first unreadable one."""
     if not (path / MARKER).is_file():
         raise CorruptCheckpointError(f"no {MARKER} marker (half-written)")
     name = ""
@@ -227,10 +255,17 @@ def read_checkpoint(path: Path, *, adapter: bool) -> Checkpoint:
         state = TrainerState(**json.loads((path / name).read_text()))
         name = ADAPTER_FILE if adapter else MODEL_FILE
         model = load_file(path / name)
-        # ZeRO's partitions hold DeepSpeed objects (its loss scaler) besides tensors: like rng.pt below, a file we
-        # wrote ourselves, so full unpickling is acceptable for it.
-        name = ZERO_FILE if (path / ZERO_FILE).is_file() else "optimizer.pt"
-        optimizer = torch.load(path / name, weights_only=name == "optimizer.pt")
+        zero_ranks = len(list(path.glob(ZERO_GLOB)))
+        if zero_ranks:
+            # ZeRO's partitions hold DeepSpeed objects (its loss scaler) besides tensors: like rng.pt below, files we
+            # wrote ourselves, so full unpickling is acceptable for them. A rank the checkpoint has no partition for
+            # (more processes now) reads none; the resume then refuses with the process counts.
+            name = zero_file(rank)
+            mine = torch.load(path / name, weights_only=False) if rank < zero_ranks else None
+            optimizer = {ZERO_KEY: mine, ZERO_RANKS: zero_ranks}
+        else:
+            name = "optimizer.pt"
+            optimizer = torch.load(path / name, weights_only=True)
         name = "scheduler.pt"
         scheduler = torch.load(path / name, weights_only=True)
         name = "rng.pt"
@@ -244,12 +279,14 @@ def read_checkpoint(path: Path, *, adapter: bool) -> Checkpoint:
     return Checkpoint(path, state, model, optimizer, scheduler, rng, config_yaml)
 
 
-def latest_checkpoint(root: Path, *, adapter: bool, log: Callable[[str], None] = print) -> Checkpoint | None:
+def latest_checkpoint(
+    root: Path, *, adapter: bool, rank: int = 0, log: Callable[[str], None] = print
+) -> Checkpoint | None:
     """The newest readable complete checkpoint; each skipped newer folder is reported with its reason."""
     skipped = []
     for path in _step_dirs(root):
         try:
-            ckpt = read_checkpoint(path, adapter=adapter)
+            ckpt = read_checkpoint(path, adapter=adapter, rank=rank)
         except CorruptCheckpointError as e:
             log(f"warning: skipping checkpoint {path}: {e}")
             skipped.append(path)

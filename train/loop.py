@@ -75,8 +75,10 @@ from specdistill.config import RootConfig, candidate_config, candidate_names, du
 from train.checkpoint import (
     LORA_BASE,
     ZERO_KEY,
+    ZERO_RANKS,
     TrainerState,
     apply_model_state,
+    begin_staging,
     is_done,
     latest_checkpoint,
     newest_complete,
@@ -86,8 +88,10 @@ from train.checkpoint import (
     save_checkpoint,
     save_folder,
     set_rng_state,
+    staging_dir,
     write_done,
     write_model,
+    zero_file,
 )
 from train.config import TrainConfig
 from train.tracking import make_tracker
@@ -447,6 +451,17 @@ def deepspeed_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
+def check_grad_accum(accelerator: Accelerator, tc: TrainConfig) -> None:
+    """train.grad_accum is the accumulation the loss is scaled for; accelerate lets a launcher config (the
+    ACCELERATE_GRADIENT_ACCUMULATION_STEPS variable, or DeepSpeed's gradient_accumulation_steps) replace it."""
+    if accelerator.gradient_accumulation_steps != tc.grad_accum:
+        raise ValueError(
+            f"the launcher config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps} but "
+            f"train.grad_accum={tc.grad_accum}: remove gradient_accumulation_steps from the accelerate / DeepSpeed "
+            "config file (train.grad_accum sets it)"
+        )
+
+
 def configure_deepspeed(plugin, tc: TrainConfig) -> None:
     """Fill the DeepSpeed config from train.* before `prepare`.
 
@@ -464,20 +479,24 @@ def configure_deepspeed(plugin, tc: TrainConfig) -> None:
     plugin.deepspeed_config["gradient_clipping"] = tc.max_grad_norm
 
 
-def optimizer_state(student, optimizer, *, deepspeed: bool, is_main: bool) -> dict | None:
-    """The optimizer state to checkpoint (a collective: every process calls it; the main process gets it).
+def optimizer_state(student, optimizer, *, deepspeed: bool, root: Path, step: int, is_main: bool) -> dict | None:
+    """The optimizer state for the main process to checkpoint (a collective: every process calls it).
 
-    DDP / FSDP / 1 process: the full state keyed by parameter name, the same file whatever the process count.
-    DeepSpeed: ZeRO's own per-process partitions (its fp32 master weights and Adam moments), in rank order.
+    DDP / FSDP / 1 process: the full state keyed by parameter name, gathered on the main process's CPU: the same
+    file whatever the process count. DeepSpeed: each rank writes ZeRO's own partition (its fp32 master weights and
+    Adam moments) into the step's staging folder itself, and None is returned.
     """
     if not deepspeed:
         return get_optimizer_state_dict(
             student, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-    mine = _to_cpu(student.optimizer.state_dict())
-    partitions = [None] * torch.distributed.get_world_size() if is_main else None
-    torch.distributed.gather_object(mine, partitions, dst=0)
-    return {ZERO_KEY: partitions} if is_main else None
+    if is_main:
+        begin_staging(root, step)
+    torch.distributed.barrier()
+    rank = torch.distributed.get_rank()
+    torch.save(_to_cpu(student.optimizer.state_dict()), staging_dir(root, step) / zero_file(rank))
+    torch.distributed.barrier()
+    return None
 
 
 def _to_cpu(tree: Any) -> Any:
@@ -507,13 +526,15 @@ def load_optimizer_state(student, optimizer, saved: dict, *, deepspeed: bool, wo
     if not deepspeed:
         set_optimizer_state_dict(student, optimizer, saved, options=StateDictOptions(full_state_dict=True))
         return
-    partitions = saved[ZERO_KEY]
-    if len(partitions) != world:
+    if saved[ZERO_RANKS] != world:
         raise ValueError(
-            f"checkpoint {path} holds DeepSpeed ZeRO optimizer partitions of {len(partitions)} processes and this "
-            f"run has {world}: resume with {len(partitions)} processes, or set train.resume=false to start over"
+            f"checkpoint {path} holds DeepSpeed ZeRO optimizer partitions of {saved[ZERO_RANKS]} processes and this "
+            f"run has {world}: resume with {saved[ZERO_RANKS]} processes, or set train.resume=false to start over"
         )
-    # From the fp32 masters in the checkpoint, not the (possibly bf16) weights: the resume is exact.
+    # DeepSpeed reads the entry of its own rank only (a rigid ZeRO-1/2 checkpoint). From the fp32 masters in the
+    # checkpoint, not the (possibly bf16) weights: the resume is exact.
+    rank = torch.distributed.get_rank()
+    partitions = [saved[ZERO_KEY] if r == rank else None for r in range(world)]
     student.optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
 
 
@@ -596,6 +617,7 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed and not on_cuda else None,
     )
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    check_grad_accum(accelerator, tc)
     if deepspeed:
         configure_deepspeed(accelerator.state.deepspeed_plugin, tc)
     is_main, print0 = accelerator.is_main_process, accelerator.print
@@ -695,7 +717,8 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
 
     # Resume from the newest good checkpoint: weights go into the plain student before it is wrapped.
     state = TrainerState(world_size=world, global_batch=global_batch)
-    ckpt = latest_checkpoint(ckpt_root, adapter=isinstance(student, PeftModel), log=print0) if tc.resume else None
+    adapter = isinstance(student, PeftModel)
+    ckpt = latest_checkpoint(ckpt_root, adapter=adapter, rank=rank, log=print0) if tc.resume else None
     if ckpt is not None:
         if drift := config_drift(yaml.safe_load(ckpt.config_yaml), to_dict(cfg)):
             raise ValueError(
@@ -707,6 +730,7 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
     # weight, which the loss could not multiply by: the full-logits path there.
     chunk_head = accelerator.distributed_type != DistributedType.FSDP and chunked_head(student) is not None
     student, prepared_optimizer = accelerator.prepare(student, optimizer)
+    check_grad_accum(accelerator, tc)  # DeepSpeed's config may have replaced it in prepare
     head = accelerator.unwrap_model(student).get_output_embeddings().weight if chunk_head else None
     if ckpt is not None:
         load_optimizer_state(student, optimizer, ckpt.optimizer, deepspeed=deepspeed, world=world, path=ckpt.path)
@@ -763,7 +787,9 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
 
     def save() -> None:
         full_state = accelerator.get_state_dict(student) if fsdp else None
-        optimizer_to_save = optimizer_state(student, optimizer, deepspeed=deepspeed, is_main=is_main)
+        optimizer_to_save = optimizer_state(
+            student, optimizer, deepspeed=deepspeed, root=ckpt_root, step=state.step, is_main=is_main
+        )
         rng = gather_object([rng_state()])  # one entry per rank, in rank order
         if is_main:
             save_checkpoint(
