@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from test_train import (
     TESTS,
     assert_same_logs,
@@ -122,6 +123,21 @@ def test_deepspeed_zero2_config_trains_and_resumes_like_one_process(one_process)
     assert '"world_size": 2' in (step / "trainer_state.json").read_text()
     assert_same_logs(metric_rows(zero2), metric_rows(single))
     assert_same_weights(final_weights(zero2, 3), final_weights(single, 3))
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_resumes_exactly_from_its_fp32_masters(one_process):
+    """In bf16 DeepSpeed casts the student to bf16 (the checkpoint's weights are bf16) and keeps fp32 master weights
+    in its partitions: a stop-and-resume run must end where a straight one does."""
+    root, data, _ = one_process
+    bf16 = ("train.mixed_precision=bf16",)
+    run_two_processes(root, data, root / "bf16-straight", (3,), *bf16, launcher=DEEPSPEED)
+    run_two_processes(root, data, root / "bf16-resumed", (2, 3), *bf16, launcher=DEEPSPEED)
+    straight, resumed = (root / name / "candidates" / "draft" for name in ("bf16-straight", "bf16-resumed"))
+    weights = final_weights(resumed, 3)
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+    assert_same_logs(metric_rows(resumed), metric_rows(straight))
+    assert_same_weights(weights, final_weights(straight, 3), atol=0)
 
 
 @pytest.mark.slow
