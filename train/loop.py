@@ -667,7 +667,9 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
         print0(shard_teacher(teacher, device, world))
     elif teacher.device != device:
         teacher = teacher.to(device)
-    student = student.float().train()  # fp32 master weights; on CUDA accelerate autocasts the forward to bf16
+    # fp32 master weights; with bf16 accelerate autocasts the forward (DeepSpeed instead casts the model to bf16 and
+    # keeps fp32 masters in its optimizer partitions).
+    student = student.float().train()
     set_seed(cfg.seed + rank)  # per-process streams from here on: dropout, on-policy sampling
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
@@ -841,9 +843,12 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
                 with accelerator.accumulate(student):
                     loss = loss_step(student, teacher, batch, dc, num_items, head, accelerator.autocast)
                     # The loss is already a share of the global mean: undo accelerate's division by grad_accum and
-                    # DDP's gradient averaging over processes, so the shares add up.
+                    # DDP's gradient averaging over processes, so the shares add up. (DeepSpeed divides by its
+                    # accumulation steps and averages over ranks the same way, and steps inside the last backward.)
                     accelerator.backward(loss * tc.grad_accum * world)
                     step_loss += loss.detach()
+            # Under DeepSpeed this only reports the norm: it clipped (gradient_clipping) and stepped in backward, so a
+            # non-finite step is already applied in memory below; nothing of it reaches a checkpoint either way.
             grad_norm = accelerator.clip_grad_norm_(student.parameters(), tc.max_grad_norm or float("inf"))
             step_loss = accelerator.reduce(step_loss, "sum").item()
             grad_norm = float(grad_norm)
