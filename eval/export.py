@@ -48,7 +48,9 @@ def _lora_base(checkpoint: Path) -> Path | str:
     adapter's `base_model_name_or_path`."""
     if (checkpoint / "config.json").is_file() and _has_weights(checkpoint, exclude="adapter_model.safetensors"):
         return checkpoint
-    run_base = checkpoint.parent.parent / "lora_base"
+    from train.checkpoint import LORA_BASE  # the run layout's name for it
+
+    run_base = checkpoint.parent.parent / LORA_BASE
     if checkpoint.parent.name == "checkpoints" and (run_base / "config.json").is_file():
         return run_base
     base = json.loads((checkpoint / "adapter_config.json").read_text()).get("base_model_name_or_path")

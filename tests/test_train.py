@@ -554,6 +554,22 @@ def test_lora_step_checkpoints_of_a_truncated_student_evaluate_as_that_student(t
     assert draft.config.num_hidden_layers == 2 < teacher.config.num_hidden_layers
     assert_same_weights(dict(draft.state_dict()), dict(best.state_dict()), atol=1e-6)  # base + adapters == merged
 
+    # Started over with other layers (no resume): lora_base/ is written anew, not kept from the previous settings.
+    from transformers import AutoModelForCausalLM
+
+    def first_base_layer() -> torch.Tensor:
+        base = AutoModelForCausalLM.from_pretrained(cand / "lora_base")
+        return base.model.layers[0].self_attn.q_proj.weight
+
+    def teacher_layer(i: int) -> torch.Tensor:
+        return teacher.model.layers[i].self_attn.q_proj.weight
+
+    assert torch.equal(first_base_layer(), teacher_layer(0))
+    lora = ("draft.lora=true", "draft.lora_r=4")
+    again = train_config(tmp_path / "run", *lora, "draft.layers=[1,3]", "train.resume=false")
+    distill(again, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    assert torch.equal(first_base_layer(), teacher_layer(1))
+
     shutil.rmtree(cand / "lora_base")  # without it the named base is the 4-layer teacher: refused, not guessed
     with pytest.raises(ValueError, match="num_hidden_layers"):
         load_draft(ckpt, "cpu", "float32")

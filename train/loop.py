@@ -654,13 +654,6 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
         teacher, cfg.draft, load_model=load_draft, check_vocab=check_vocab, teacher_tokenizer=tokenizer
     )
     print0(describe_student(student, teacher))
-    if is_main and isinstance(student, PeftModel) and cfg.draft.init == "truncate":
-        # Step checkpoints hold only the adapters; their base, a truncated teacher, exists nowhere else.
-        if not (cand / LORA_BASE / "config.json").is_file():
-            save_folder(
-                cand / LORA_BASE,
-                functools.partial(write_model, model=lora_base(student), state_dict=None, tokenizer=tokenizer),
-            )
     if cache:
         teacher = None
     elif shard:
@@ -728,6 +721,13 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
                 "train.resume=false to start over or use another output_dir"
             )
         apply_model_state(student, ckpt.model)
+    if is_main and adapter and cfg.draft.init == "truncate" and (ckpt is None or not (cand / LORA_BASE).is_dir()):
+        # Step checkpoints hold only the adapters; their base, a truncated teacher, exists nowhere else. Written
+        # anew unless resuming (a resumed run has the settings, so the base, of the one that wrote it).
+        save_folder(
+            cand / LORA_BASE,
+            functools.partial(write_model, model=lora_base(student), state_dict=None, tokenizer=tokenizer),
+        )
     # Checked on the plain fp32 student, before accelerate wraps its forward in autocast. FSDP shards the head's
     # weight, which the loss could not multiply by: the full-logits path there.
     chunk_head = accelerator.distributed_type != DistributedType.FSDP and chunked_head(student) is not None
