@@ -141,6 +141,46 @@ def test_deepspeed_bf16_resumes_exactly_from_its_fp32_masters(one_process):
 
 
 @pytest.mark.slow
+def test_shard_teacher_computes_the_full_models_logits_tied_or_not(tmp_path):
+    """shard_teacher on 2 CPU processes: a tied model (embeddings and head in the root unit) and an untied one (each
+    its own unit) hold half their weights per process and give the logits of the unsharded model."""
+    script = tmp_path / "shard.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FSDPModule
+        sys.path.insert(0, {str(TESTS)!r})
+        from conftest import tiny_llama
+        from train.loop import shard_teacher, teacher_forward
+
+        dist.init_process_group("gloo")
+        ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(0))
+        batch = {{"input_ids": ids, "attention_mask": torch.ones_like(ids)}}
+        for tied in (True, False):
+            teacher = tiny_llama(vocab_size=64, layers=3, tie_word_embeddings=tied)
+            full = teacher_forward(teacher, batch).clone()
+            summary = shard_teacher(teacher, torch.device("cpu"), 2)
+            local = sum(p.to_local().numel() for p in teacher.parameters())
+            total = sum(p.numel() for p in teacher.parameters())
+            assert abs(local / total - 0.5) < 0.02, summary
+            head_unit = isinstance(teacher.get_output_embeddings(), FSDPModule)
+            assert head_unit == (not tied), (tied, head_unit)
+            for _ in range(2):  # reshard after each forward, gather again in the next
+                torch.testing.assert_close(teacher_forward(teacher, batch), full, rtol=0, atol=1e-6)
+            print(f"rank {{dist.get_rank()}} tied={{tied}} ok", flush=True)
+        dist.destroy_process_group()
+    """)
+    )
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, *TORCHRUN, str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.count("ok") == 4, proc.stdout
+
+
+@pytest.mark.slow
 def test_on_policy_generation_with_a_sharded_student_keeps_processes_in_step(tmp_path):
     """Under FSDP every student forward is a collective: processes with other prompt lengths and answers that end
     at other times must still run the same number of forwards (synced generation), or the run hangs."""

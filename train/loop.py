@@ -419,11 +419,12 @@ def should_shard_teacher(setting: str, distributed_type: DistributedType, *, wor
 def shard_teacher(teacher, device: torch.device, world: int) -> str:
     """Shard the teacher's weights over all `world` processes with FSDP2, in place, for inference only.
 
-    Each decoder layer (the model's `_no_split_modules` classes) becomes one FSDP unit, and the rest (embeddings,
-    final norm, head) the root unit. A forward gathers one unit at a time and frees it after (reshard_after_forward),
-    so a process holds 1/world of the teacher plus one gathered layer, and the logits are those of the full model.
-    The parameters move to `device` shard by shard: load the teacher on the CPU first and the device never holds
-    a full copy. Every process must run the same number of teacher forwards (each one is a collective).
+    Each decoder layer (the model's `_no_split_modules` classes) becomes one FSDP unit, and so do untied input
+    embeddings and output head; the rest (final norm; a tied embedding/head) is the root unit, gathered for the whole
+    forward. A forward gathers the other units one at a time and frees each after (reshard_after_forward), so a
+    process holds 1/world of the teacher plus the root unit and one gathered unit, and the logits are those of the
+    full model. The parameters move to `device` shard by shard: load the teacher on the CPU first and the device
+    never holds a full copy. Every process must run the same number of teacher forwards (each one is a collective).
     Returns a one-line summary for the log.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -435,7 +436,11 @@ def shard_teacher(teacher, device: torch.device, world: int) -> str:
     teacher.requires_grad_(False)
     mesh = init_device_mesh(device.type, (world,))
     unit_names = set(getattr(teacher, "_no_split_modules", None) or [])
-    for module in [m for m in teacher.modules() if type(m).__name__ in unit_names]:
+    units = [m for m in teacher.modules() if type(m).__name__ in unit_names]
+    embeddings, head = teacher.get_input_embeddings(), teacher.get_output_embeddings()
+    if embeddings is not None and head is not None and head.weight is not embeddings.weight:
+        units += [embeddings, head]  # a tied pair shares one tensor, which can live in one unit only: the root
+    for module in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=True)
     fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
     local = sum(p.to_local().numel() for p in teacher.parameters())
