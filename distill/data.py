@@ -189,6 +189,15 @@ def check_context(teacher, records: list[PromptRecord], prompt_ids: list[list[in
         )
 
 
+def training_prompts(cfg: DataConfig) -> list[PromptRecord] | None:
+    """The prompts the `data` stage answers for training: data.prompts without the held-out data.eval_prompts, the
+    first data.max_prompts of them; None for self_instruct (the teacher writes those at data time)."""
+    if cfg.prompts == SELF_INSTRUCT:
+        return None
+    kept = drop_held_out(load_prompts(cfg.prompts), load_prompts(cfg.eval_prompts), log=None)
+    return kept[: cfg.max_prompts or None]
+
+
 def drop_held_out(
     records: list[PromptRecord], held_out: Sequence[PromptRecord], *, log: Callable[[str], object] | None = print
 ) -> list[PromptRecord]:

@@ -269,8 +269,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     candidates = resolve_candidates(args.drafts) if args.drafts else config_candidates(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval"
     dist = dist_state(cfg.target.device)
-    # A config's own candidates were trained on its data.prompts: those stay out of the eval prompts.
-    report = stage_eval(cfg, dist, candidates, out_dir=out, trained_on=None if args.drafts else cfg.data.prompts)
+    # A config's own candidates were trained on its data section's prompts: those stay out of the eval prompts.
+    report = stage_eval(cfg, dist, candidates, out_dir=out, trained_on=None if args.drafts else cfg.data)
     print0(dist, f"report: {report} (+ report.md, report.html)")
 
 

@@ -86,19 +86,20 @@ def stage_distill(cfg: RootConfig, dist: Dist, teacher_data) -> dict[str, Path]:
     return run_distill(cfg, teacher_data)
 
 
-def eval_prompts(source: str, tokenizer, limit: int, *, trained_on: str | None = None, log=print):
-    """The eval prompts; with `trained_on` (the drafts' data.prompts) those the drafts were trained on are left out,
+def eval_prompts(source: str, tokenizer, limit: int, *, trained_on=None, log=print):
+    """The eval prompts; with `trained_on` (the drafts' DataConfig) the prompts they were trained on are left out,
     so acceptance is measured on held-out prompts only."""
-    from distill.data import SELF_INSTRUCT
+    from distill.data import training_prompts
     from distill.prompts import load_prompts, render_chat, without_prompts
     from eval.sweep import EvalPrompt
 
     records = load_prompts(source)
-    if trained_on and trained_on != SELF_INSTRUCT:
-        held_out = without_prompts(records, load_prompts(trained_on))
+    trained = training_prompts(trained_on) if trained_on is not None else None
+    if trained:
+        held_out = without_prompts(records, trained)
         if len(held_out) < len(records):
             log(f"eval: left out {len(records) - len(held_out)} of {len(records)} prompts of {source} that the drafts "
-                f"were trained on (data.prompts={trained_on})")
+                f"were trained on (data.prompts={trained_on.prompts})")
         records = held_out
     if not records:
         raise ValueError(f"the eval prompt set {source!r} has no prompt the drafts were not trained on; pass "
@@ -107,11 +108,10 @@ def eval_prompts(source: str, tokenizer, limit: int, *, trained_on: str | None =
     return [EvalPrompt(id=r.id, category=r.category, ids=render_chat(tokenizer, r.messages)) for r in records]
 
 
-def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target=None,
-               trained_on: str | None = None) -> Path:
+def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target=None, trained_on=None) -> Path:
     """Sweep every candidate against target-only decoding; write report.json/md/html; returns report.json.
 
-    `trained_on`: the candidates' training prompts (data.prompts), left out of the eval prompts."""
+    `trained_on`: the candidates' DataConfig; the prompts they were trained on are left out of the eval prompts."""
     from eval.report import write_reports
     from eval.sweep import evaluate, recommend, save_report
     from train.tracking import make_tracker
@@ -216,7 +216,7 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     else:
         print0(dist, f"[3/5] eval -> {out / 'eval'}")
         stage_eval(cfg, dist, config_candidates(cfg), out_dir=out / "eval", target=target,
-                   trained_on=cfg.data.prompts)
+                   trained_on=cfg.data)
     result = {"report": report_path, "html": out / "eval" / "report.html", "serving": serving_path(cfg)}
     if dist.is_main:
         print0(dist, "[4/5] export + [5/5] promote")

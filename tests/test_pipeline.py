@@ -276,20 +276,30 @@ def test_data_and_distill_on_two_processes_with_the_shipped_launcher_file(env, t
 
 
 def test_eval_leaves_out_the_prompts_the_drafts_were_trained_on(tmp_path, isolated_cache):
+    from distill.config import DataConfig
     from specdec_runtime.loading import load_model
     from specdistill.pipeline import eval_prompts
 
     _, tokenizer = load_model("random:tiny-llama", device="cpu")
-    rows = [{"id": f"q{i}", "prompt": f"Question number {i}?"} for i in range(6)]
-    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    trained = [{"id": "t0", "prompt": "question NUMBER 2?"}, {"id": "t1", "prompt": "Something else"}]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trained))
+
+    def write(name: str, prompts: list[str], prefix: str) -> str:
+        rows = [{"id": f"{prefix}{i}", "prompt": p} for i, p in enumerate(prompts)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    evals = write("eval.jsonl", [f"Question number {i}?" for i in range(6)], "q")
+    train = write("train.jsonl", ["question NUMBER 2?", "Something else"], "t")
+    other_split = write("split.jsonl", ["An unrelated held-out prompt"], "s")
 
     logs = []
-    kept = eval_prompts(str(tmp_path / "eval.jsonl"), tokenizer, 4, trained_on=str(tmp_path / "train.jsonl"),
-                        log=logs.append)
+    trained = DataConfig(prompts=train, eval_prompts=other_split)
+    kept = eval_prompts(evals, tokenizer, 4, trained_on=trained, log=logs.append)
     assert [p.id for p in kept] == ["q0", "q1", "q3", "q4"]  # the limit applies to the held-out prompts
     assert logs and "left out 1 of 6 prompts" in logs[0]
-    assert [p.id for p in eval_prompts(str(tmp_path / "eval.jsonl"), tokenizer, 0)] == [r["id"] for r in rows]
+    # With eval.jsonl as the data's own eval split, q2 was dropped from training: nothing to leave out.
+    logs.clear()
+    kept = eval_prompts(evals, tokenizer, 0, trained_on=DataConfig(prompts=train, eval_prompts=evals), log=logs.append)
+    assert len(kept) == 6 and not logs
+    assert [p.id for p in eval_prompts(evals, tokenizer, 0)] == [f"q{i}" for i in range(6)]
     with pytest.raises(ValueError, match="no prompt the drafts were not trained on"):
-        eval_prompts(str(tmp_path / "train.jsonl"), tokenizer, 0, trained_on=str(tmp_path / "train.jsonl"))
+        eval_prompts(train, tokenizer, 0, trained_on=DataConfig(prompts=train, eval_prompts=other_split))
