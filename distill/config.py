@@ -74,6 +74,11 @@ class DistillConfig:
     """online: the teacher scores every batch in memory; cache: read top-k log-probs written by `data`."""
     chunk_size: int = 128
     """Positions per chunk when computing the loss, so (B, T, V) fp32 probabilities are never held twice."""
+    chunked_head: bool = True
+    """Apply the student's output head inside the loss, chunk_size positions at a time, so its full (B, T, V) logits
+    and their gradient never exist (the full-logits path is kept automatically where the head cannot be reproduced,
+    and under FSDP). Each chunk accumulates the head's (V, D) gradient once: on GPUs with a large vocabulary use a
+    chunk_size of 1024 or more, or false when memory allows and the step is faster without it."""
 
     def validate(self) -> None:
         if isinstance(self.objective, str):  # a bare name from the command line means weight 1

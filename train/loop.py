@@ -113,9 +113,11 @@ RESUMABLE_CHANGES = {
     "train.resume",
     "train.mixed_precision",
     "train.shard_teacher",
+    "distill.chunked_head",
 }
-# Keys that change how a run executes, not what it trains: left out of the DONE fingerprint.
-EXECUTION_ONLY = {"train.resume", "train.shard_teacher"}
+# Keys added after runs were marked DONE that change how a run executes, not what it trains: left out of the DONE
+# fingerprint, so finished runs stay finished.
+EXECUTION_ONLY = {"train.shard_teacher", "distill.chunked_head"}
 
 
 class NonFiniteLossError(ValueError):
@@ -735,7 +737,9 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
         )
     # Checked on the plain fp32 student, before accelerate wraps its forward in autocast. FSDP shards the head's
     # weight, which the loss could not multiply by: the full-logits path there.
-    chunk_head = accelerator.distributed_type != DistributedType.FSDP and chunked_head(student) is not None
+    chunk_head = (
+        dc.chunked_head and accelerator.distributed_type != DistributedType.FSDP and chunked_head(student) is not None
+    )
     student, prepared_optimizer = accelerator.prepare(student, optimizer)
     check_grad_accum(accelerator, tc)  # DeepSpeed's config may have replaced it in prepare
     head = accelerator.unwrap_model(student).get_output_embeddings().weight if chunk_head else None
