@@ -11,6 +11,7 @@ import html.parser
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -256,9 +257,12 @@ def test_data_and_distill_on_two_processes_with_the_shipped_launcher_file(env, t
     from distill.data import load_teacher_data
 
     out = tmp_path / "two"
+    with socket.socket() as sock:  # the file's port may be taken on a shared machine
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           ROOT / "configs" / "accelerate" / "cpu_2proc.yaml", "-m", "specdistill", "distill",
-           ROOT / "configs" / "smoke.yaml", f"output_dir={out}"]
+           ROOT / "configs" / "accelerate" / "cpu_2proc.yaml", "--main_process_port", port, "-m", "specdistill",
+           "distill", ROOT / "configs" / "smoke.yaml", f"output_dir={out}"]
     two = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=ROOT,
                          env={**env, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]

@@ -599,14 +599,17 @@ def test_student_logits_chunked_in_the_loss_train_like_full_logits(tmp_path, tin
 
 
 @pytest.mark.parametrize("lora", ["false", "true"])
-def test_bf16_autocast_trains_with_the_chunked_head(tmp_path, tiny, lora):
+def test_bf16_autocast_trains_with_the_chunked_head(tmp_path, tiny, lora, monkeypatch):
     """accelerate autocasts the student's forward (bf16 on CUDA; here on the CPU) and the loop enters the same
     autocast for the head matmul it moved into the loss: a plain and a LoRA student train to finite losses."""
-    from train.loop import distill
+    import train.loop as loop
 
     teacher, tokenizer, data = tiny
+    heads, real = [], loop.chunked_head
+    monkeypatch.setattr(loop, "chunked_head", lambda model: heads.append(real(model)) or heads[-1])
     cfg = train_config(tmp_path, "train.mixed_precision=bf16", f"draft.lora={lora}")
-    cand = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    cand = loop.distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    assert heads and heads[0] is not None  # the chunked path ran
     rows = metric_rows(cand)
     assert rows[-1]["step"] == 2 and all(math.isfinite(r.get("train/loss", 0.0)) for r in rows)
 

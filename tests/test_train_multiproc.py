@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -36,16 +37,17 @@ def one_process(tmp_path_factory):
 
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
-DEEPSPEED = (
-    "-m",
-    "accelerate.commands.launch",
-    "--config_file",
-    str(TESTS.parent / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
-    "--num_processes",
-    "2",
-    "--main_process_port",
-    "29523",
-)
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def deepspeed_launcher() -> tuple[str, ...]:
+    """`accelerate launch` with the shipped ZeRO-2 file, 2 processes, on a free port."""
+    config = TESTS.parent / "configs" / "accelerate" / "deepspeed_zero2.yaml"
+    return ("-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+            "--main_process_port", free_port())  # fmt: skip
 
 
 def run_two_processes(
@@ -114,7 +116,7 @@ def test_deepspeed_zero2_config_trains_and_resumes_like_one_process(one_process)
     state, each rank checkpoints its own, stops after 2 steps and resumes from its partition for a third."""
     root, data, single = one_process
     accum = ("train.batch_size=1", "train.grad_accum=2")
-    stdout = run_two_processes(root, data, root / "zero2", (2, 3), *accum, launcher=DEEPSPEED)
+    stdout = run_two_processes(root, data, root / "zero2", (2, 3), *accum, launcher=deepspeed_launcher())
     assert "resumed draft from" in stdout
 
     zero2 = root / "zero2" / "candidates" / "draft"
@@ -131,8 +133,8 @@ def test_deepspeed_bf16_resumes_exactly_from_its_fp32_masters(one_process):
     in its partitions: a stop-and-resume run must end where a straight one does."""
     root, data, _ = one_process
     bf16 = ("train.mixed_precision=bf16",)
-    run_two_processes(root, data, root / "bf16-straight", (3,), *bf16, launcher=DEEPSPEED)
-    run_two_processes(root, data, root / "bf16-resumed", (2, 3), *bf16, launcher=DEEPSPEED)
+    run_two_processes(root, data, root / "bf16-straight", (3,), *bf16, launcher=deepspeed_launcher())
+    run_two_processes(root, data, root / "bf16-resumed", (2, 3), *bf16, launcher=deepspeed_launcher())
     straight, resumed = (root / name / "candidates" / "draft" for name in ("bf16-straight", "bf16-resumed"))
     weights = final_weights(resumed, 3)
     assert {w.dtype for w in weights.values()} == {torch.bfloat16}
