@@ -310,7 +310,7 @@ def loss_step(
     else:
         outputs = dict(student_logits=None, student_hidden=student_hidden(student, batch), lm_head_weight=head)
     labels = batch["labels"]
-    with autocast():
+    with autocast() if head is not None else contextlib.nullcontext():
         loss, _ = distill_loss(
             teacher=targets,
             labels=labels,
@@ -368,7 +368,7 @@ def evaluate(student, teacher, eval_ds, accelerator: Accelerator, cfg: RootConfi
         }
         labels = batch["labels"]
         mask = labels != IGNORE
-        logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = student(**batch_inputs(batch), use_cache=False).logits
         targets = teacher_targets(teacher, batch)
         loss, terms = distill_loss(
             logits,
@@ -614,8 +614,14 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
     precision = ("bf16" if on_cuda else "no") if tc.mixed_precision == "auto" else tc.mixed_precision
     # DeepSpeed never runs with cpu=True; without CUDA it takes its CPU accelerator, and gloo must be named.
     deepspeed = deepspeed_requested()
+    if deepspeed and cfg.target.device == "cpu" and torch.cuda.is_available():
+        raise ValueError(
+            "DeepSpeed takes this machine's GPUs whatever target.device says: drop target.device=cpu, or launch "
+            "without the DeepSpeed config file"
+        )
     # accelerate keeps one AcceleratorState per process and refuses an Accelerator with other settings (a second
     # candidate with another mixed_precision); each distill() starts its own. The process group (PartialState) stays.
+    # (A private accelerate call, checked with accelerate 1.15; GradientState takes the new accumulation by itself.)
     AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(
         gradient_accumulation_steps=tc.grad_accum,
