@@ -37,6 +37,8 @@ def one_process(tmp_path_factory):
 
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+
+
 def free_port() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -51,9 +53,16 @@ def deepspeed_launcher() -> tuple[str, ...]:
 
 
 def run_two_processes(
-    root: Path, data, out: Path, steps: tuple[int, ...], *overrides: str, launcher: tuple[str, ...] = TORCHRUN
+    root: Path,
+    data,
+    out: Path,
+    steps: tuple[int, ...],
+    *overrides: str,
+    launcher: tuple[str, ...] = TORCHRUN,
+    check: bool = True,
 ) -> str:
-    """Run distill on 2 processes (1 micro-batch of 2 each), once per entry of `steps`; return stdout."""
+    """Run distill on 2 processes (1 micro-batch of 2 each), once per entry of `steps`; return stdout (with
+    check=False, stdout + stderr of a run that may fail)."""
     script = out.with_suffix(".py")
     script.write_text(
         textwrap.dedent(f"""
@@ -74,6 +83,8 @@ def run_two_processes(
     proc = subprocess.run(
         [sys.executable, *launcher, str(script)], env=env, capture_output=True, text=True, timeout=600
     )
+    if not check:
+        return proc.stdout + proc.stderr
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout
 
@@ -125,6 +136,11 @@ def test_deepspeed_zero2_config_trains_and_resumes_like_one_process(one_process)
     assert '"world_size": 2' in (step / "trainer_state.json").read_text()
     assert_same_logs(metric_rows(zero2), metric_rows(single))
     assert_same_weights(final_weights(zero2, 3), final_weights(single, 3))
+
+    # Rank 1's partition of the only checkpoint is unreadable: rank 0 would resume, rank 1 start over. Refused.
+    (step / "optimizer-zero-rank001.pt").write_bytes(b"garbage")
+    output = run_two_processes(root, data, root / "zero2", (4,), *accum, launcher=deepspeed_launcher(), check=False)
+    assert "the processes found different checkpoints to resume from" in output, output[-3000:]
 
 
 @pytest.mark.slow

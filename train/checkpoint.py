@@ -312,10 +312,12 @@ def save_folder(folder: Path, write_model_fn: Callable[[Path], None]) -> None:
 
 def save_best(best: Path, write_model_fn: Callable[[Path], None], metrics: dict[str, Any]) -> None:
     """Replace `best/` with a new HF-format folder and its metrics.json, atomically."""
-    tmp = _fresh_tmp(best.parent, best.name)
-    write_model_fn(tmp)
-    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    _replace_dir(tmp, best)
+
+    def write(folder: Path) -> None:
+        write_model_fn(folder)
+        (folder / "metrics.json").write_text(json.dumps(metrics, indent=1))
+
+    save_folder(best, write)
 
 
 def write_done(cand: Path, fingerprint: str) -> None:

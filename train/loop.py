@@ -727,6 +727,13 @@ def distill(cfg: RootConfig, candidate: str, teacher_data: TeacherData, *, teach
     state = TrainerState(world_size=world, global_batch=global_batch)
     adapter = isinstance(student, PeftModel)
     ckpt = latest_checkpoint(ckpt_root, adapter=adapter, rank=rank, log=print0) if tc.resume else None
+    if world > 1:  # each rank read the files itself (under DeepSpeed its own partition): all must resume the same
+        picked = gather_object([str(ckpt.path) if ckpt else "none"])
+        if len(set(picked)) > 1:
+            raise ValueError(
+                f"the processes found different checkpoints to resume from ({', '.join(sorted(set(picked)))}): a file "
+                f"only some ranks read is unreadable; delete the newest step folder in {ckpt_root} and run again"
+            )
     if ckpt is not None:
         if drift := config_drift(yaml.safe_load(ckpt.config_yaml), to_dict(cfg)):
             raise ValueError(
