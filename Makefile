@@ -31,6 +31,7 @@ test-fast: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) runs

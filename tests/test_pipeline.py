@@ -232,13 +232,13 @@ def test_cli_help_lists_only_working_commands(env):
 
 @pytest.mark.slow
 def test_eval_split_over_two_processes_matches_one(env, tmp_path, smoke_run):
-    """torchrun, 2 CPU processes (gloo): prompts are split, counters merged on rank 0; at T=0 the pooled counts
+    """torchrun (through this interpreter), 2 CPU processes (gloo): prompts are split, counters merged on rank 0; at T=0 the pooled counts
     equal a 1-process run's exactly (same tokens, same accept decisions)."""
     best = smoke_run[0] / "candidates" / "fkl" / "best"
     args = ["eval", "eval.num_draft_tokens=[2]", "eval.temperatures=[0.0]", "eval.max_new_tokens=8",
             "eval.max_prompts=4", "tracking.backend=none", "--target", "random:tiny-llama", "--drafts", best]
     cli_here(*args, "--out", tmp_path / "one", env=env)
-    two = subprocess.run(["torchrun", "--nproc_per_node", "2", "-m", "specdistill", *map(str, args), "--out",
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "specdistill", *map(str, args), "--out",
                           tmp_path / "two"], capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"},
                          cwd=ROOT)
     assert two.returncode == 0, two.stderr[-3000:]

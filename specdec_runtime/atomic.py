@@ -1,0 +1,97 @@
+"""Atomic writes: a reader (or a resumed run) sees the old file or folder, or the new one, never half of either.
+
+Every writer of the project goes through here. The recipe is the same for files and folders: write under a temp
+name in the destination's own folder (same filesystem, so the rename is atomic), fsync what was written, rename it
+into place, fsync the parent folder so the rename itself survives a power loss. Standard library only: this module
+sits at the bottom floor with the rest of `specdec_runtime/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def fsync_dir(folder: Path) -> None:
+    """Flush a folder's entries (renames, new files) to disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(root))
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """Write `data` to `path` atomically (temp file, fsync, os.replace, fsync the folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write `text` (UTF-8) to `path` atomically."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def fresh_tmp_dir(parent: Path, name: str) -> Path:
+    """An empty temp folder `parent/.tmp-<name>` for a folder that will become `parent/<name>`; a leftover of a
+    killed run under that name is removed first."""
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".tmp-{name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def replace_dir(tmp: Path, final: Path) -> Path:
+    """Move the finished folder `tmp` to `final` (same parent). Its files are fsynced first; an existing `final`
+    is renamed aside and deleted only once `tmp` is in place, so a crash leaves the old or the new folder."""
+    _fsync_tree(tmp)
+    if final.exists():
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        old = final.with_name(f".old-{final.name}-{stamp}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    fsync_dir(final.parent)
+    return final
+
+
+@contextlib.contextmanager
+def staged_dir(final: Path) -> Iterator[Path]:
+    """Yield a fresh temp folder next to `final`; when the block ends without an error it replaces `final`
+    (`replace_dir`), on an error it is removed and `final` is left as it was."""
+    final = Path(final)
+    tmp = fresh_tmp_dir(final.parent, final.name)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, final)
