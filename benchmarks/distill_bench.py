@@ -38,12 +38,11 @@ from pathlib import Path
 import datasets
 import torch
 
-from distill.data import COMPLETE, TeacherData, features, load_teacher_data
+from distill.data import COMPLETE, TeacherData, epoch_order, features, load_teacher_data
 from distill.prompts import load_prompts, render_chat
 from distill.students import evenly_spaced_layers, truncate_student
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.loading import load_model
-from train.loop import epoch_order
 
 TEACHER = "embedded:smollm2-135m-instruct"
 SEED = 0
@@ -111,6 +110,7 @@ def run_ours(args, data: TeacherData) -> dict:
     """train.loop.distill with log_every=1: each step's tokens/s comes from the loop's own metrics.jsonl."""
     import train.loop as loop
     from specdistill.config import load_config
+    from specdistill.pipeline import distill_candidate
 
     total = args.warmup + args.steps
     ds = load_teacher_data(data.train)
@@ -152,7 +152,7 @@ def run_ours(args, data: TeacherData) -> dict:
         return evaluate(*a, **kw)
 
     loop.evaluate = evaluate_after_training
-    cand = loop.distill(cfg, "bench", data)
+    cand = distill_candidate(cfg, "bench", data)
     rows = [json.loads(line) for line in (cand / "metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if "train/loss" in row]
     tokens = step_tokens(ds, epoch_order(len(ds), SEED, 0), args.batch_size, total)
@@ -263,14 +263,15 @@ def run_profile(args, data: TeacherData) -> dict:
     """One step of each trainer split into phases on the same batch, each phase the fastest of --profile-reps rounds
     that run every phase in turn (so load from other processes hits all phases alike). The teacher forward is the
     same; the student differs as the loops do: ours returns its final hidden states and the loss applies the head
-    chunk by chunk (train/loop.py `student_hidden` + `distill_loss(student_hidden=..., lm_head_weight=...)`, the
+    chunk by chunk (distill/students.py `student_hidden` + `distill_loss(student_hidden=..., lm_head_weight=...)`, the
     teacher's inference-mode logits used as they are), TRL's returns full logits and its loss takes them. Reported:
     each phase, the RSS growth of each loss's forward + backward, and the optimizers (ours: torch.optim.AdamW,
     per-tensor on the CPU; HF Trainer's default: fused AdamW)."""
     from trl.experimental.gkd import GKDTrainer
 
-    from distill.objectives import TeacherTargets, distill_loss
-    from train.loop import chunked_head, collate, student_hidden, teacher_forward
+    from distill.data import collate
+    from distill.objectives import TeacherTargets, distill_loss, teacher_forward
+    from distill.students import chunked_head, student_hidden
 
     teacher, tokenizer = load_model(TEACHER, device="cpu")
     student = truncate_student(teacher, evenly_spaced_layers(teacher.config.num_hidden_layers, args.student_layers))

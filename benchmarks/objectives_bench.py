@@ -3,7 +3,7 @@
 For each candidate of the config (by default configs/bench-objectives.yaml: a 4-layer truncation of the embedded
 SmolLM2-135M-Instruct distilled with ce (sequence-level KD), forward KL and TV, same data, steps, batch and lr
 schedule), it reports the held-out `expected_acceptance` (sum_v min(p, q)) and greedy top-1 match with the target:
-"before" measured on the untrained student by the trainer's own validation function (`train.loop.evaluate`, on the
+"before" measured on the untrained student by the trainer's own validation function (`train.validation.evaluate`, on the
 same held-out teacher data), "after" read from the candidate's best/metrics.json, plus each candidate's wall time.
 
     python benchmarks/objectives_bench.py                                      # CPU: ~12 minutes on 2 cores
@@ -30,7 +30,8 @@ from distill.students import build_student
 from specdec_runtime.loading import check_vocab_compatible, load_model
 from specdistill.config import RootConfig, candidate_config, candidate_names, load_config, to_dict
 from specdistill.pipeline import dist_state, load_target, stage_data
-from train.loop import distill, evaluate
+from specdistill.pipeline import distill_candidate as distill
+from train.validation import evaluate
 
 METRICS = ("eval/expected_acceptance", "eval/greedy_match")
 
@@ -51,7 +52,7 @@ def untrained_metrics(cfg: RootConfig, teacher, tokenizer, teacher_data: Teacher
     eval_ds = load_teacher_data(teacher_data.eval).select_columns(columns)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     accelerator = Accelerator(cpu=device == "cpu")
-    return evaluate(student, None if cache else teacher, eval_ds, accelerator, cfg, pad_id)
+    return evaluate(student, None if cache else teacher, eval_ds, accelerator, cfg.distill, cfg.train, pad_id)
 
 
 def main() -> None:

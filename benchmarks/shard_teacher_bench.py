@@ -25,8 +25,9 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 
+from distill.objectives import teacher_forward
 from specdec_runtime.loading import load_model
-from train.loop import shard_teacher, teacher_forward
+from train.distributed import shard_teacher
 
 
 def param_bytes(model) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,12 +43,19 @@ class DataConfig:
     teacher_cache_top_k: int = 32
     """k of the offline teacher cache."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         for name in ("max_prompts", "max_eval_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = all), got {getattr(self, name)}")
-        for name in ("num_samples", "max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size",
-                     "teacher_cache_top_k", "self_instruct_count"):
+        for name in (
+            "num_samples",
+            "max_prompt_tokens",
+            "max_new_tokens",
+            "batch_size",
+            "shard_size",
+            "teacher_cache_top_k",
+            "self_instruct_count",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -80,14 +88,15 @@ class DistillConfig:
     and under FSDP). Each chunk accumulates the head's (V, D) gradient once: on GPUs with a large vocabulary use a
     chunk_size of 1024 or more, or false when memory allows and the step is faster without it."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if isinstance(self.objective, str):  # a bare name from the command line means weight 1
             self.objective = {self.objective: 1.0}
         unknown = [k for k in self.objective if k not in OBJECTIVES]
         if unknown:
             raise ValueError(f"unknown objective {unknown[0]!r}; valid objectives: {', '.join(OBJECTIVES)}")
-        if not self.objective or any(w < 0 for w in self.objective.values()) or sum(self.objective.values()) <= 0:
-            raise ValueError(f"objective weights must be >= 0 with a positive sum, got {self.objective}")
+        weights = self.objective.values()
+        if not self.objective or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"objective weights must be finite and >= 0 with a positive sum, got {self.objective}")
         if self.kd_temperature <= 0:
             raise ValueError(f"kd_temperature must be > 0, got {self.kd_temperature}")
         if not 0 <= self.beta <= 1:

@@ -53,6 +53,24 @@ class TeacherTargets:
             raise ValueError("TeacherTargets: topk_logprobs and topk_indices come together")
 
 
+def batch_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def teacher_forward(teacher, batch: dict[str, Tensor]) -> Tensor:
+    """(B, T, V) teacher logits under inference_mode: the teacher never builds an autograd graph."""
+    with torch.inference_mode():
+        return teacher(**batch_inputs(batch), use_cache=False).logits
+
+
+def teacher_targets(teacher, batch: dict[str, Tensor]) -> TeacherTargets:
+    """The targets of a collated batch: the teacher's logits, or with `teacher` None the batch's cached top-k."""
+    if teacher is None:
+        return TeacherTargets(topk_logprobs=batch["topk_logprobs"], topk_indices=batch["topk_ids"])
+    # An inference tensor; distill_loss copies it chunk by chunk where autograd needs a normal one.
+    return TeacherTargets(logits=teacher_forward(teacher, batch))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Divergences between two log-prob tensors over the last dim (full vocabulary or K+1 buckets); t = log p (teacher),
 # s = log q (student). Each returns one value per position, shape (...,).
@@ -98,17 +116,6 @@ def bucket_logprobs(logprobs: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The loss
-
-
-def parse_objective(objective: dict[str, float] | str) -> dict[str, float]:
-    """A term name (weight 1) or {name: weight} -> {name: weight}; unknown names fail with the valid ones."""
-    weights = {objective: 1.0} if isinstance(objective, str) else dict(objective)
-    unknown = [name for name in weights if name not in OBJECTIVES]
-    if unknown:
-        raise ValueError(f"unknown objective {unknown[0]!r}; valid objectives: {', '.join(OBJECTIVES)}")
-    if not weights or any(not math.isfinite(w) or w < 0 for w in weights.values()):
-        raise ValueError(f"objective weights must be finite and >= 0, got {weights}")
-    return weights
 
 
 def _kd_logprobs(
@@ -233,14 +240,9 @@ def distill_loss(
     Returns:
         (loss, metrics): the weighted scalar loss and {term name: its detached normalised value}.
     """
-    weights = parse_objective(objective)
+    # Names, weights and hyperparameter ranges come checked from `DistillConfig`; only the tensors are checked here.
+    weights = {objective: 1.0} if isinstance(objective, str) else objective
     names = tuple(weights)
-    if kd_temperature <= 0:
-        raise ValueError(f"kd_temperature must be > 0, got {kd_temperature}")
-    if not 0 <= beta <= 1:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if (student_logits is None) == (student_hidden is None) or (student_hidden is None) != (lm_head_weight is None):
         raise ValueError("pass either student_logits, or student_hidden together with lm_head_weight")
     student = student_logits if student_logits is not None else student_hidden
@@ -327,3 +329,59 @@ def greedy_match(
     match = (student_logits.argmax(-1) == teacher_logits.argmax(-1)) & mask  # (B, T)
     count = mask.sum() if num_items is None else torch.as_tensor(num_items, device=mask.device)
     return match.sum().float() / count.float().clamp(min=1)
+
+
+@torch.no_grad()
+def topk_agreement_sums(
+    student_logits: Tensor, topk_logprobs: Tensor, topk_ids: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Sums over valid positions of the acceptance sum min(p, q) and of top-1 agreement, from the teacher cache.
+
+    The acceptance is taken over K+1 buckets (the teacher's top-k tokens and one bucket for the rest of the mass),
+    the view the cached loss trains on: an upper bound of sum_v min(p_v, q_v), exact once the top-k holds p's mass.
+    """
+    s = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, topk_ids.long())  # (B, T, K)
+    p, q = bucket_logprobs(topk_logprobs.float()).exp(), bucket_logprobs(s).exp()  # (B, T, K+1)
+    accept = torch.minimum(p, q).sum(-1)  # (B, T)
+    teacher_top1 = topk_ids.gather(-1, topk_logprobs.argmax(-1, keepdim=True))[..., 0]  # (B, T)
+    agree = student_logits.argmax(-1) == teacher_top1
+    return accept[mask].sum(), agree[mask].sum().float()
+
+
+@torch.no_grad()
+def validation_sums(
+    student_logits: Tensor,
+    teacher: TeacherTargets,
+    labels: Tensor,
+    mask: Tensor,
+    objective: dict[str, float] | str,
+    *,
+    kd_temperature: float = 1.0,
+    beta: float = 0.5,
+    chunk_size: int = 128,
+) -> tuple[Tensor, list[str]]:
+    """One batch's validation row: sums over valid positions of [loss, expected acceptance, greedy top-1 match,
+    token count, each objective term], fp32, to add up over batches and processes; and the terms' names.
+
+    The acceptance is sum_v min(p, q) at temperature 1 from the teacher's logits, or the K+1-bucket view of the
+    offline cache (`topk_agreement_sums`).
+    """
+    loss, terms = distill_loss(
+        student_logits,
+        teacher,
+        labels,
+        mask,
+        objective,
+        kd_temperature=kd_temperature,
+        beta=beta,
+        num_items=1,
+        chunk_size=chunk_size,
+    )  # num_items=1: sums
+    if teacher.logits is None:
+        accept, agree = topk_agreement_sums(student_logits, teacher.topk_logprobs, teacher.topk_indices, mask)
+    else:
+        accept = expected_acceptance_from_logits(
+            student_logits, teacher.logits, mask, num_items=1, chunk_size=chunk_size
+        )
+        agree = greedy_match(student_logits, teacher.logits, mask, num_items=1)
+    return torch.stack([loss, accept, agree, mask.sum().float(), *terms.values()]).float(), list(terms)

@@ -57,7 +57,7 @@ class DraftConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_MODULES))
     """Names of the linear modules that get adapters (Llama-family names by default)."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.init not in ("truncate", "config", "pretrained"):
             raise ValueError(f"init must be one of truncate, config, pretrained; got {self.init!r}")
         if self.layers is not None:
@@ -269,6 +269,48 @@ def merge_student(model: PreTrainedModel | PeftModel) -> PreTrainedModel:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the student's head, applied in the loss
+
+
+def student_hidden(student: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, T, D) final (normed) hidden states, through the prepared model so DDP / DeepSpeed hooks run; the head is
+    applied to one position only (logits_to_keep=1)."""
+    out = student(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
+    return out.hidden_states[-1]
+
+
+def chunked_head(model: nn.Module) -> torch.Tensor | None:
+    """The student's output projection W when its logits are exactly final_hidden @ W.T, else None.
+
+    With it the loss computes the student's logits chunk by chunk (and their gradient in backward), so the full
+    (B, T, V) student logits never exist. Checked on a small batch, not assumed: a head with a bias, logit scaling
+    or soft-capping (Gemma-2, Cohere), or a model without `logits_to_keep`, keeps the full-logits path.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    ids = torch.arange(8, device=head.weight.device)[None] % model.config.vocab_size  # (1, 8)
+    was_training = model.training
+    model.eval()  # no dropout: the two forwards must see the same weights and draw no random numbers
+    try:
+        with torch.no_grad():
+            full = model(input_ids=ids, use_cache=False).logits
+            hidden = student_hidden(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    except (TypeError, ValueError, AttributeError):  # no logits_to_keep / output_hidden_states
+        return None
+    finally:
+        model.train(was_training)
+    exact = torch.allclose((hidden @ head.weight.T).float(), full.float(), rtol=1e-4, atol=1e-4)
+    return head.weight if exact else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # describe
 
 
@@ -327,7 +369,6 @@ def build_student(
     `teacher_tokenizer`, see `pretrained_student`. With `cfg.lora` the result is a peft model: use
     `merge_student` to export it.
     """
-    cfg.validate()
     match cfg.init:
         case "truncate":
             layers = cfg.layers or evenly_spaced_layers(teacher.config.num_hidden_layers, cfg.num_layers)

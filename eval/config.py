@@ -24,12 +24,16 @@ class EvalConfig:
     """Token-tree shapes to sweep besides chains: '4,2,2,1' (branching per depth) or 'dynamic:NODES'."""
     max_new_tokens: int = 128
     """Tokens generated per prompt."""
-    batch_size: int = 1
-    """Prompts decoded together (1 = the latency setting serving engines are tuned for)."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    """Concurrency axis: prompts decoded together. The sweep runs at the smallest (1 = the latency setting serving
+    engines are tuned for); the chosen setting is confirmed at every one, each paired with target-only decoding at
+    the same concurrency."""
+    repeats: int = 3
+    """Timed repeats of every paired A/B (target-only and speculative alternate per prompt, ABBA order)."""
     warmup: int = 1
-    """Warm-up prompts run before timing each setting."""
+    """Untimed warm-up calls per arm before each setting, on the batch holding the longest prompt."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.max_prompts < 0:
             raise ValueError(f"max_prompts must be >= 0 (0 = all), got {self.max_prompts}")
         if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:
@@ -43,9 +47,11 @@ class EvalConfig:
                 parse_tree(spec)
             except ValueError as e:
                 raise ValueError(f"trees: {e}") from None
-        for name in ("max_new_tokens", "batch_size"):
+        for name in ("max_new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1 or len(set(self.batch_sizes)) < len(self.batch_sizes):
+            raise ValueError(f"batch_sizes must be a non-empty list of distinct values >= 1, got {self.batch_sizes}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
 
@@ -59,10 +65,14 @@ class ServingConfig:
     draft_rule: Literal["greedy", "sample"] = "greedy"
     """The draft rule the deployment uses (vLLM's default is greedy drafting)."""
     min_acceptance: float = 0.5
-    """Below this measured acceptance_rate the draft is not enabled, whatever its speedup."""
+    """Below this acceptance_rate (on the confirmation split) the draft is not enabled, whatever its speedup."""
+    min_speedup_margin: float = 0.05
+    """Enable only when the confirmation split's speedup_ci lower bound exceeds 1 + this margin."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 <= self.min_acceptance <= 1:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if self.min_speedup_margin < 0:
+            raise ValueError(f"min_speedup_margin must be >= 0, got {self.min_speedup_margin}")

@@ -7,129 +7,30 @@ Input: an HF folder (`best/`, `checkpoints/step-N/`, any `save_pretrained` outpu
 (`adapter_config.json`, its base read from `base_model_name_or_path`, or from the folder itself when it also holds
 the base weights). Output: safetensors weights, config.json, generation_config.json, tokenizer files and README.md
 (eval numbers, training config, serving snippets), and nothing else: no optimizer, RNG or trainer state. The folder
-is written under a temporary name and renamed, so an interrupted export never looks finished.
+is written under a temporary name and renamed (`atomic.staged_dir`), so an interrupted export never looks finished.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
 
-from eval.promote import engine_snippets
+from eval.engines import engine_snippets
+from specdec_runtime import atomic
+from specdec_runtime.loading import load_checkpoint
 
-ARCH_KEYS = (
-    "num_hidden_layers",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-)
-CARD_COLUMNS = ["num_draft_tokens", "temperature", "draft_rule", "acceptance_rate", "mean_accepted_length", "speedup"]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading the checkpoint
-
-
-def _has_weights(folder: Path, exclude: str = "") -> bool:
-    return any(p.name != exclude for p in folder.glob("*.safetensors"))
-
-
-def _lora_base(checkpoint: Path) -> Path | str:
-    """Where the adapter's base model lives: the folder itself when it holds base weights, the run's lora_base/ for
-    a step checkpoint of a LoRA-on-truncate student (<cand>/checkpoints/step-N -> <cand>/lora_base), else the
-    adapter's `base_model_name_or_path`."""
-    if (checkpoint / "config.json").is_file() and _has_weights(checkpoint, exclude="adapter_model.safetensors"):
-        return checkpoint
-    from train.checkpoint import LORA_BASE  # the run layout's name for it
-
-    run_base = checkpoint.parent.parent / LORA_BASE
-    if checkpoint.parent.name == "checkpoints" and (run_base / "config.json").is_file():
-        return run_base
-    base = json.loads((checkpoint / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(
-            f"{checkpoint}/adapter_config.json names no base_model_name_or_path and the folder holds no "
-            "base weights; export a folder with the merged model (best/) instead"
-        )
-    return base
-
-
-def load_checkpoint(checkpoint: Path):
-    """(plain model with any LoRA merged, tokenizer, whether LoRA was merged) from a checkpoint folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    checkpoint = Path(checkpoint)
-    if not checkpoint.is_dir():
-        raise ValueError(f"checkpoint folder {checkpoint} does not exist")
-    is_lora = (checkpoint / "adapter_config.json").is_file()
-    if is_lora and not (checkpoint / "adapter_model.safetensors").is_file():
-        raise ValueError(
-            f"{checkpoint} has adapter_config.json but no adapter_model.safetensors: expected a complete "
-            "peft LoRA adapter folder"
-        )
-    if not is_lora and not ((checkpoint / "config.json").is_file() and _has_weights(checkpoint)):
-        raise ValueError(
-            f"{checkpoint} holds no draft weights: expected an HF model folder (config.json + "
-            "*.safetensors, e.g. candidates/<name>/best or checkpoints/step-N) or a peft LoRA adapter "
-            "(adapter_config.json + adapter_model.safetensors)"
-        )
-    if is_lora:
-        from peft import PeftModel
-
-        base_path = _lora_base(checkpoint)
-        try:
-            base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto", use_safetensors=True)
-        except OSError as e:
-            reason = str(e).splitlines()[0]
-            raise ValueError(f"cannot load the LoRA base {base_path} of {checkpoint}: {reason}") from None
-        _check_same_architecture(checkpoint, base_path, base.config.to_dict())
-        with warnings.catch_warnings():
-            # peft asks transformers 5 a deprecated question (is_gradient_checkpointing) while wrapping: not ours
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
-    else:
-        base_path = checkpoint
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto", use_safetensors=True)
-    return model.eval(), _load_tokenizer(checkpoint, base_path, AutoTokenizer), is_lora
-
-
-def _check_same_architecture(checkpoint: Path, base_path: Path | str, base_config: dict) -> None:
-    """A LoRA checkpoint's config.json (the student the adapters were trained on) must match the base we load.
-
-    A truncated student's adapter names the *target* as its base (the truncation copies the target's config), and
-    adapters for layers 0..N-1 would load silently into the wrong target layers."""
-    path = checkpoint / "config.json"
-    if not path.is_file():
-        return
-    student = json.loads(path.read_text())
-    differ = [k for k in ARCH_KEYS if k in student and student[k] != base_config.get(k)]
-    if differ:
-        shown = ", ".join(f"{k} {student[k]} vs {base_config.get(k)}" for k in differ)
-        raise ValueError(
-            f"the LoRA adapters in {checkpoint} were trained on a student that differs from their base {base_path} "
-            f"({shown}): the base weights of this student are not saved in the folder; export the merged model "
-            "(candidates/<name>/best) instead"
-        )
-
-
-def _load_tokenizer(checkpoint: Path, base: Path | str, auto_cls):
-    for folder in dict.fromkeys([checkpoint, base]):  # the checkpoint's own tokenizer first
-        try:
-            return auto_cls.from_pretrained(folder)
-        except (OSError, ValueError):
-            continue
-    raise ValueError(
-        f"no tokenizer in {checkpoint} (nor in its base {base}): an exported draft needs the target's "
-        "tokenizer files (tokenizer.json / tokenizer_config.json) next to its weights"
-    )
+CARD_COLUMNS = [
+    "num_draft_tokens",
+    "temperature",
+    "draft_rule",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "speedup",
+    "speedup_ci",
+]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,6 +58,8 @@ def find_candidate(report: dict, checkpoint: Path) -> dict | None:
 def _cell(value) -> str:
     if value is None:
         return "-"
+    if isinstance(value, list):  # an interval, speedup_ci
+        return "[" + ", ".join(f"{v:.4g}" for v in value) + "]"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -177,17 +80,25 @@ def eval_section(report: dict | None, checkpoint: Path) -> str:
         f"Measured by `specdistill eval` against target `{report.get('target')}` on {report.get('device', '?')}, "
         f"{prompts.get('count', '?')} prompts from {prompts.get('source', '?')} "
         f"({report.get('created_at', '?')}). "
-        "`speedup` is target-only wall time / speculative wall time on the same prompts; `acceptance_rate` is "
-        "accepted / drafted tokens; `mean_accepted_length` is tokens emitted per target forward.",
+        "`speedup` is target-only decode seconds per token / speculative decode seconds per token (prefill "
+        "excluded), the median of paired per-prompt ratios (ABBA order, repeated), with `speedup_ci` its 95 % "
+        "bootstrap interval over prompts; the table holds the selection split. `acceptance_rate` is accepted / "
+        "judged draft tokens; `mean_accepted_length` is tokens emitted per target verify step.",
         "",
         *table,
     ]
     rec = report.get("recommendation") or {}
     if rec.get("enabled") and rec.get("name") == cand["name"]:
+        conf = rec.get("confirmation") or {}
+        ci = conf.get("speedup_ci")
         lines += [
             "",
             f"Recommended serving setting: num_draft_tokens={rec['num_draft_tokens']}, "
-            f"draft_rule={rec['draft_rule']}, temperature={rec.get('temperature')} ({rec.get('reason')}).",
+            f"draft_rule={rec['draft_rule']}, temperature={rec.get('temperature')}; re-measured on "
+            f"{conf.get('prompts', '?')} confirmation prompts the choice never saw: speedup "
+            f"{_cell(conf.get('speedup'))}"
+            + (f" (95% CI {ci[0]:.3g}-{ci[1]:.3g})" if ci else "")
+            + f", acceptance_rate {_cell(conf.get('acceptance_rate'))} ({rec.get('reason')}).",
         ]
     return "\n".join(lines)
 
@@ -310,9 +221,7 @@ def export_draft(
         training_config = find_training_config(checkpoint)
     if serving_snippets is None:
         serving_snippets = engine_snippets(str(out_dir), _best_gamma(report, checkpoint))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
+    with atomic.staged_dir(out_dir) as tmp:
         model.save_pretrained(tmp)  # safetensors, config.json and generation_config.json
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(
@@ -326,19 +235,4 @@ def export_draft(
                 serving_snippets=serving_snippets,
             )
         )
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
-
-
-def _replace_dir(new: Path, dest: Path) -> None:
-    """Move `new` to `dest`; an existing `dest` is renamed aside first and deleted only once `new` is in place."""
-    if not dest.exists():
-        new.rename(dest)
-        return
-    old = dest.with_name(f".{dest.name}.old-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S%f')}")
-    dest.rename(old)
-    new.rename(dest)
-    shutil.rmtree(old, ignore_errors=True)

@@ -5,7 +5,7 @@
 
 The serving file is rewritten as a whole but keeps what it does not own: unknown top-level keys, other engine
 settings and non-speculative SGLang flags survive, and `history` grows by one entry per promotion (newest last).
-Writes go to a temp file in the same folder, fsynced, then `os.replace`d over the old file: a crash at any point
+Writes go through `specdec_runtime.atomic` (temp file in the same folder, fsync, rename): a crash at any point
 leaves either the old config or the new one. An exclusive `fcntl.flock` on `<serving>.lock` serialises concurrent
 promotions, so both of two simultaneous promotions land in the history.
 """
@@ -16,53 +16,22 @@ import difflib
 import fcntl
 import json
 import os
-import tempfile
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
 
+from eval.engines import engine_snippets
+from eval.export import export_draft
+from specdec_runtime import atomic
+
 OWNED_KEYS = ("target", "speculative", "engines", "history")
 HEADER = "# Serving config written by `specdistill promote`; unknown keys are kept across promotions.\n"
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Engine snippets
-
-
-def engine_snippets(draft: str, num_draft_tokens: int) -> dict:
-    """Speculative decoding settings for vLLM, SGLang and TensorRT-LLM with `draft` proposing `num_draft_tokens`."""
-    return {
-        # vLLM V1 draft-model speculation: `vllm serve TARGET --speculative-config '<json of this dict>'`.
-        "vllm": {
-            "speculative_config": {"model": draft, "num_speculative_tokens": num_draft_tokens, "method": "draft_model"}
-        },
-        # SGLang's STANDALONE algorithm drafts a chain (topk 1) of num-steps tokens; with topk 1 SGLang requires
-        # num-draft-tokens = num-steps + 1 (the verified root plus the drafted chain) and rewrites any other value.
-        "sglang": [
-            "--speculative-algorithm",
-            "STANDALONE",
-            "--speculative-draft-model-path",
-            draft,
-            "--speculative-num-steps",
-            num_draft_tokens,
-            "--speculative-eagle-topk",
-            1,
-            "--speculative-num-draft-tokens",
-            num_draft_tokens + 1,
-        ],
-        # TensorRT-LLM LLM API / `trtllm-serve --extra_llm_api_options`: DraftTargetDecodingConfig, which its docs
-        # run with the overlap scheduler disabled.
-        "trtllm": {
-            "speculative_config": {
-                "decoding_type": "DraftTarget",
-                "max_draft_len": num_draft_tokens,
-                "speculative_model": draft,
-            },
-            "disable_overlap_scheduler": True,
-        },
-    }
+# Engine settings
 
 
 def _merge_engines(old: dict | None, new: dict | None) -> dict:
@@ -114,7 +83,9 @@ def check_report(report: dict, report_path: Path) -> dict:
             f"{report_path} has no recommendation; run `specdistill eval` to the end (it recommends a "
             "draft from the measured sweep)"
         )
-    needed = ["enabled", "reason"] + (["draft", "num_draft_tokens", "draft_rule", "measured"] if rec["enabled"] else [])
+    needed = ["enabled", "reason", "confirmation"] + (
+        ["draft", "num_draft_tokens", "draft_rule"] if rec["enabled"] else []
+    )
     missing = [k for k in needed if rec.get(k) is None]
     if missing:
         raise ValueError(f"{report_path}: recommendation lacks {missing}")
@@ -165,22 +136,51 @@ def _path_or_spec(value: str | Path) -> str:
     return str(path.resolve()) if path.exists() else str(value)
 
 
+MEASURED_KEYS = (
+    "acceptance_rate",
+    "mean_accepted_length",
+    "speedup",
+    "speedup_ci",
+    "split",
+    "batch_size",
+    "prompts",
+    "max_concurrency",
+    "measured_concurrency",
+)
+
+
+def concurrency_cap(rec: dict) -> int | None:
+    """The batch size above which speculation should be off: the confirmed max_concurrency when a larger measured
+    concurrency failed the margin, else None (no measured limit)."""
+    conf = rec.get("confirmation") or {}
+    limit, measured = conf.get("max_concurrency"), conf.get("measured_concurrency") or []
+    return limit if limit is not None and measured and limit < max(measured) else None
+
+
+def serving_snippets(rec: dict, draft: str) -> dict:
+    """The engines' settings for an enabled recommendation."""
+    return engine_snippets(draft, rec["num_draft_tokens"], concurrency_cap(rec))
+
+
 def build_serving(old: dict, report: dict, report_path: Path, draft: str | None, now: str) -> dict:
-    """The new serving config: `old` with target, speculative and engines replaced and one history entry added."""
+    """The new serving config: `old` with target, speculative and engines replaced and one history entry added.
+    `measured` holds the confirmation split's numbers (the ones the decision was made on), with their interval."""
     rec = report["recommendation"]
-    measured = {k: (rec.get("measured") or {}).get(k) for k in ("acceptance_rate", "mean_accepted_length", "speedup")}
+    measured = {k: rec["confirmation"].get(k) for k in MEASURED_KEYS}
     measured["eval_report"] = str(Path(report_path).resolve())
     if rec["enabled"]:
         speculative = {
             "enabled": True,
             "draft": draft,
+            "kind": rec.get("kind", "standalone"),
             "num_draft_tokens": rec["num_draft_tokens"],
             "draft_rule": rec["draft_rule"],
             "temperature": rec.get("temperature"),
+            "max_concurrency": measured["max_concurrency"],
             "measured": measured,
             "reason": rec["reason"],
         }
-        engines = _merge_engines(old.get("engines"), engine_snippets(draft, rec["num_draft_tokens"]))
+        engines = _merge_engines(old.get("engines"), serving_snippets(rec, draft))
     else:
         speculative = {"enabled": False, "reason": rec["reason"], "measured": measured}
         engines = _merge_engines(old.get("engines"), None)
@@ -228,25 +228,6 @@ def read_serving(path: Path, force: bool) -> tuple[str, dict]:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     os.replace(path, path.with_name(f"{path.name}.broken-{stamp}"))
     return text, {}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Temp file in the same folder (same filesystem, so the rename is atomic), fsync, os.replace, fsync the folder."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power loss
-    finally:
-        os.close(dir_fd)
 
 
 @contextmanager
@@ -310,25 +291,23 @@ def promote(
             )
         )
     if rec["enabled"] and export_dir is not None:
-        from eval.export import export_draft  # export imports this module's engine_snippets
-
-        export_draft(
-            Path(rec["draft"]),
-            Path(export_dir),
-            report=report,
-            serving_snippets=engine_snippets(draft, rec["num_draft_tokens"]),
-        )
+        export_draft(Path(rec["draft"]), Path(export_dir), report=report, serving_snippets=serving_snippets(rec, draft))
     serving_path.parent.mkdir(parents=True, exist_ok=True)
     with locked(serving_path):
         _, old = read_serving(serving_path, force)
         new = build_serving(old, report, report_path, draft, now)
-        write_atomic(serving_path, dump_serving(new))
+        atomic.write_text(serving_path, dump_serving(new))
     if not rec["enabled"]:
         return f"speculative decoding disabled in {serving_path}: {rec['reason']}"
-    replaced, speedup = new["history"][-1]["replaced"], rec["measured"].get("speedup")
+    replaced, speedup, ci = (
+        new["history"][-1]["replaced"],
+        rec["confirmation"].get("speedup"),
+        rec["confirmation"].get("speedup_ci"),
+    )
     return (
         f"promoted {rec.get('name', draft)} ({draft}, num_draft_tokens={rec['num_draft_tokens']}"
-        + (f", measured speedup {speedup:.2f}x" if isinstance(speedup, (int, float)) else "")
+        + (f", confirmed speedup {speedup:.2f}x" if isinstance(speedup, (int, float)) else "")
+        + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
         + f") into {serving_path}"
         + (f", replacing {replaced}" if replaced else "")
     )

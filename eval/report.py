@@ -5,7 +5,9 @@
 
 Chain settings (`tree` null) make the per-gamma plots and tables; token-tree settings (`tree` a spec such as
 "4,2,2,1" or "dynamic:16", num_draft_tokens = the tree's depth) get their own table and a tree-vs-chain plot, so a
-tree never shows up as a point on a gamma curve.
+tree never shows up as a point on a gamma curve. Every speedup is shown with its 95 % bootstrap interval
+(`speedup_ci`): a [lo, hi] cell in the tables, error bars in the plots. The confirmation block (the chosen setting
+measured again on prompts the choice never saw, at every batch size) gets its own table and concurrency plot.
 
 The HTML has no external resources: inline CSS, every plot a PNG embedded as a base64 `data:` URI, so it can be
 mailed, attached to a W&B run or opened offline. The same plots are also written to `<out_dir>/plots/*.png`, which
@@ -26,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from eval.promote import write_atomic
+from specdec_runtime import atomic
 
 SETTING_COLUMNS = [
     "candidate",
@@ -40,7 +42,9 @@ SETTING_COLUMNS = [
     "verify_cost_ratio",
     "predicted_speedup",
     "speedup",
+    "speedup_ci",
     "efficiency",
+    "overhead_fraction",
     "tokens_per_s",
     "ttft_s",
     "tpot_s",
@@ -53,11 +57,27 @@ TREE_COLUMNS = [
     "mean_accepted_length",
     "nodes_per_step",
     "speedup",
+    "speedup_ci",
     "speedup vs best chain",
 ]
 TRACKER_COLUMNS = [*SETTING_COLUMNS, "tree", "nodes_per_step"]
-TARGET_ONLY_COLUMNS = ["temperature", "tokens_per_s", "wall_s", "new_tokens", "ttft_s", "tpot_s", "peak_memory_bytes"]
-TRAINING_KEYS = (("train/loss", "val/loss"), ("val/expected_acceptance", "val/greedy_match"))
+TARGET_ONLY_COLUMNS = ["temperature", "tokens_per_s", "ttft_s", "tpot_s", "decode_s", "calls", "peak_memory_bytes"]
+CONFIRMATION_COLUMNS = [
+    "batch_size",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "speedup",
+    "speedup_ci",
+    "tokens_per_s",
+    "target_tokens_per_s",
+    "ttft_s",
+    "tpot_s",
+    "target ttft_s",
+    "target tpot_s",
+    "units",
+]
+# what train/loop.py writes to metrics.jsonl: train rows, and validation rows under eval/
+TRAINING_KEYS = (("train/loss", "eval/loss"), ("eval/expected_acceptance", "eval/greedy_match"))
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px;
        color: #1f2328; padding: 0 1rem; }
@@ -78,11 +98,8 @@ figcaption { font-size: .85rem; color: #59636e; }
 
 
 def write_json_atomic(obj, path: Path) -> Path:
-    """Write `obj` as JSON through `eval.promote.write_atomic`: readers see the old file or the new one, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(obj, indent=2))
-    return path
+    """Write `obj` as JSON through `specdec_runtime.atomic`: readers see the old file or the new one, never half."""
+    return atomic.write_text(Path(path), json.dumps(obj, indent=2))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -163,6 +180,16 @@ def _column(rows: list[dict], key: str) -> list[float]:
     return [_num(s.get(key)) for s in rows]
 
 
+def _yerr(rows: list[dict]) -> list[list[float]]:
+    """Error bars (2, N) from each row's speedup_ci: distance below and above the speedup (NaN: no interval)."""
+    below, above = [], []
+    for s in rows:
+        ci, mid = s.get("speedup_ci"), s.get("speedup")
+        below.append(mid - ci[0] if ci and mid is not None else math.nan)
+        above.append(ci[1] - mid if ci and mid is not None else math.nan)
+    return [below, above]
+
+
 def _setting_at(candidate: dict, focus: tuple[int, float, str]) -> dict | None:
     gamma, temperature, rule = focus
     return next((s for s in _settings(candidate, temperature, rule) if s["num_draft_tokens"] == gamma), None)
@@ -229,7 +256,15 @@ def plot_speedup_vs_gamma(report: dict) -> Figure | None:
         for i, cand in enumerate(report["candidates"]):
             rows = _settings(cand, temperature, rule)
             gammas, color = [s["num_draft_tokens"] for s in rows], f"C{i}"
-            ax.plot(gammas, _column(rows, "speedup"), "o-", color=color, label=f"{cand['name']} measured")
+            ax.errorbar(
+                gammas,
+                _column(rows, "speedup"),
+                yerr=_yerr(rows),
+                fmt="o-",
+                color=color,
+                capsize=3,
+                label=f"{cand['name']} measured (95% CI)",
+            )
             ax.plot(gammas, _column(rows, "predicted_speedup"), "x--", color=color, label=f"{cand['name']} predicted")
         ax.axhline(1.0, color="gray", lw=1, ls=":")  # target-only decoding
         ax.set(title=f"T={temperature:g}, {rule}", xlabel="num_draft_tokens", ylabel="speedup vs target-only")
@@ -341,7 +376,8 @@ def plot_tree_vs_chain(report: dict) -> Figure | None:
         label = f"{cand['name']} (best chain: num_draft_tokens={chain['num_draft_tokens']})" if chain else cand["name"]
         for ax, key in zip(axes, ("mean_accepted_length", "speedup")):
             xs = [j + i * width for j in range(len(bars))]
-            ax.bar(xs, [_num(s.get(key)) for s in bars], width, color=f"C{i}", label=label)
+            yerr = _yerr(bars) if key == "speedup" else None
+            ax.bar(xs, [_num(s.get(key)) for s in bars], width, yerr=yerr, capsize=3, color=f"C{i}", label=label)
     for ax, key in zip(axes, ("mean_accepted_length", "speedup")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(specs) + 1)], ["best chain", *specs], rotation=20)
         ax.set(title=f"{key} (T={temperature:g}, {rule})", ylabel=key)
@@ -351,12 +387,50 @@ def plot_tree_vs_chain(report: dict) -> Figure | None:
     return fig
 
 
+def plot_concurrency(report: dict) -> Figure | None:
+    """The confirmed setting at each batch size: paired speedup with its interval, throughput over the batch, and
+    per-request TTFT / TPOT, speculative next to target-only at the same concurrency."""
+    conf = report.get("confirmation") or {}
+    rows = sorted(conf.get("by_batch_size") or [], key=lambda r: r["batch_size"])
+    if not rows:
+        return None
+    fig, axes = _figure(4, width=3.6)
+    sizes = [r["batch_size"] for r in rows]
+    axes[0].errorbar(sizes, _column(rows, "speedup"), yerr=_yerr(rows), fmt="o-", capsize=3, label="speculative")
+    axes[0].axhline(1.0, color="gray", lw=1, ls=":")  # target-only decoding
+    axes[0].set(title="speedup (95% CI)", ylabel="speedup vs target-only")
+    panels = (
+        ("tokens_per_s", 1.0, "tokens/s over the batch"),
+        ("ttft_s", 1e3, "TTFT (ms)"),
+        ("tpot_s", 1e3, "TPOT (ms)"),
+    )
+    for ax, (key, scale, title) in zip(axes[1:], panels):
+        ax.plot(sizes, [scale * _num(r.get(key)) for r in rows], "o-", label="speculative")
+        ax.plot(sizes, [scale * _num((r.get("target_only") or {}).get(key)) for r in rows], "s--", label="target-only")
+        ax.set(title=title)
+    for ax in axes:
+        ax.set(xlabel="batch size (concurrency)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"confirmation split: {conf['name']}, num_draft_tokens={conf['num_draft_tokens']}, "
+        f"T={conf['temperature']:g}, {conf['draft_rule']}",
+        fontsize=9,
+    )
+    _legend(axes[1], 7)
+    return fig
+
+
 PLOTS: list[tuple[str, str, Callable[[dict], Figure | None]]] = [
     ("acceptance_vs_gamma", "Measured acceptance_rate vs num_draft_tokens (chains)", plot_acceptance_vs_gamma),
     (
         "speedup_vs_gamma",
-        "Measured (solid) and predicted (dashed) speedup vs num_draft_tokens (chains)",
+        "Measured (solid, 95% bootstrap interval) and predicted (dashed) speedup vs num_draft_tokens (chains)",
         plot_speedup_vs_gamma,
+    ),
+    (
+        "concurrency",
+        "Confirmation split: the chosen setting at each batch size, paired with target-only at the same batch size",
+        plot_concurrency,
     ),
     (
         "tree_vs_chain",
@@ -387,6 +461,8 @@ def _fmt(value, column: str = "") -> str:
         return "yes" if value else "no"
     if column == "peak_memory_bytes":
         return f"{value / 2**20:.1f} MiB"
+    if isinstance(value, (list, tuple)) and len(value) == 2 and column.endswith("_ci"):
+        return f"[{value[0]:.3g}, {value[1]:.3g}]"
     if isinstance(value, float):
         return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     return str(value)
@@ -402,12 +478,22 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             [[_fmt(t.get(k), k) for k in TARGET_ONLY_COLUMNS] for t in target_only],
         )
     )
-    cand_cols = ["candidate", "draft", "num_parameters", "expected_acceptance", "best chain speedup"]
+    temps = {c.get("expected_acceptance_temperature", 1.0) for c in report["candidates"]}
+    label = f"expected_acceptance (T={temps.pop():g})" if len(temps) == 1 else "expected_acceptance"
+    cand_cols = ["candidate", "draft", "num_parameters", label, "best chain speedup", "its speedup_ci"]
     cand_rows = []
     for c in report["candidates"]:
-        best = max((s["speedup"] for s in c["settings"] if _is_chain(s) and s.get("speedup") is not None), default=None)
+        chains = [s for s in c["settings"] if _is_chain(s) and s.get("speedup") is not None]
+        best = max(chains, key=lambda s: s["speedup"], default={})
         cand_rows.append(
-            [c["name"], c["draft"], _fmt(c.get("num_parameters")), _fmt(c.get("expected_acceptance")), _fmt(best)]
+            [
+                c["name"],
+                c["draft"],
+                _fmt(c.get("num_parameters")),
+                _fmt(c.get("expected_acceptance")),
+                _fmt(best.get("speedup")),
+                _fmt(best.get("speedup_ci"), "speedup_ci"),
+            ]
         )
     out.append(("Candidates", cand_cols, cand_rows))
     rows = []
@@ -417,8 +503,23 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 [c["name"]] + [_fmt(s.get(k), k) for k in SETTING_COLUMNS[1:]] for s in _settings(c, temperature, rule)
             ]
     out.append(
-        ("Chain settings (one row per candidate x num_draft_tokens x temperature x draft_rule)", SETTING_COLUMNS, rows)
+        (
+            "Chain settings (one row per candidate x num_draft_tokens x temperature x draft_rule; selection split, "
+            "expected_acceptance at the row's temperature)",
+            SETTING_COLUMNS,
+            rows,
+        )
     )
+    conf = report.get("confirmation")
+    if conf:
+        out.append(
+            (
+                f"Confirmation split ({conf['name']}, num_draft_tokens={conf['num_draft_tokens']}, "
+                f"T={conf['temperature']:g}, {conf['draft_rule']}; {conf['prompts']} prompts the choice never saw)",
+                CONFIRMATION_COLUMNS,
+                confirmation_rows(conf),
+            )
+        )
     if _tree_groups(report):
         out.append(
             (
@@ -455,6 +556,15 @@ def tree_rows(report: dict) -> list[list[str]]:
     return rows
 
 
+def confirmation_rows(conf: dict) -> list[list[str]]:
+    rows = []
+    for r in sorted(conf["by_batch_size"], key=lambda r: r["batch_size"]):
+        base = r.get("target_only") or {}
+        values = {**r, "target ttft_s": base.get("ttft_s"), "target tpot_s": base.get("tpot_s")}
+        rows.append([_fmt(values.get(k), k) for k in CONFIRMATION_COLUMNS])
+    return rows
+
+
 def _category_cell(stats: dict | None) -> str:
     if not stats:
         return "-"
@@ -467,21 +577,26 @@ def recommendation_text(report: dict) -> str:
         return "No recommendation in this report (run `specdistill promote` after a full eval)."
     if not rec.get("enabled"):
         return f"Speculative decoding is not recommended: {rec.get('reason', 'no reason given')}."
-    m = rec.get("measured") or {}
+    m = rec.get("confirmation") or {}
+    limit = m.get("max_concurrency")
     return (
         f"Recommended draft: {rec['name']} ({rec['draft']}) with num_draft_tokens={rec['num_draft_tokens']}, "
-        f"draft_rule={rec['draft_rule']}, temperature={rec['temperature']:g}: speedup {_fmt(m.get('speedup'))}x, "
-        f"acceptance_rate {_fmt(m.get('acceptance_rate'))}, mean_accepted_length "
-        f"{_fmt(m.get('mean_accepted_length'))}. Reason: {rec.get('reason', '-')}."
+        f"draft_rule={rec['draft_rule']}, temperature={rec['temperature']:g}: on the confirmation split speedup "
+        f"{_fmt(m.get('speedup'))}x (95% CI {_fmt(m.get('speedup_ci'), 'speedup_ci')}), acceptance_rate "
+        f"{_fmt(m.get('acceptance_rate'))}, mean_accepted_length {_fmt(m.get('mean_accepted_length'))}"
+        + (f", worth it up to batch size {limit}" if limit is not None else "")
+        + f". Reason: {rec.get('reason', '-')}."
     )
 
 
 def _meta(report: dict) -> str:
-    prompts = report.get("prompts") or {}
+    prompts, settings = report.get("prompts") or {}, report.get("settings") or {}
     return (
         f"target {report.get('target')} (fingerprint {report.get('target_fingerprint', '-')}), "
-        f"device {report.get('device', '-')}, {prompts.get('count', '?')} prompts from "
-        f"{prompts.get('source', '?')}, created {report.get('created_at', '-')}"
+        f"device {report.get('device', '-')}, backend {settings.get('backend', '-')}, {prompts.get('count', '?')} "
+        f"prompts from {prompts.get('source', '?')} (selection {prompts.get('selection', '?')}, confirmation "
+        f"{prompts.get('confirmation', '?')}), {settings.get('repeats', '?')} paired ABBA repeats, created "
+        f"{report.get('created_at', '-')}"
     )
 
 
@@ -563,11 +678,11 @@ def write_reports(report: dict, out_dir: Path, *, tracker=None) -> dict[str, Pat
             continue
         images[name] = (caption, _png(fig))
         paths[name] = out_dir / "plots" / f"{name}.png"
-        paths[name].write_bytes(images[name][1])
+        atomic.write_bytes(paths[name], images[name][1])
     paths["md"] = out_dir / "report.md"
-    paths["md"].write_text(render_markdown(report, {name: caption for name, (caption, _) in images.items()}))
+    atomic.write_text(paths["md"], render_markdown(report, {name: caption for name, (caption, _) in images.items()}))
     paths["html"] = out_dir / "report.html"
-    paths["html"].write_text(render_html(report, images))
+    atomic.write_text(paths["html"], render_html(report, images))
     if tracker is not None:
         log_to_tracker(report, out_dir, tracker)
     return paths

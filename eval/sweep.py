@@ -9,15 +9,23 @@ serving engines run.
         --prompts my_prompts.jsonl --out runs/my-eval                          # any drafts, any prompt file
     accelerate launch --config_file configs/accelerate/ddp.yaml -m specdistill eval configs/llama-3.1-8b.yaml
 
-Prompts are split over processes (rank r takes every world-th prompt); per-request counters and wall times are
-gathered on rank 0, which writes the report. Timed runs are preceded by warm-up runs that are not counted.
+The test prompts are split deterministically into two halves: the sweep measures every setting on the selection
+half, the recommendation picks one setting from those numbers, and that setting is measured again on the
+confirmation half (the choice never saw it) at every concurrency of `eval.batch_sizes`; eval/recommend.py decides
+from the confirmation numbers. Every measurement is a paired, repeated A/B (`specdec_runtime.ab`): target-only and
+speculative decoding alternate per unit (one batch of prompts) in ABBA order, `eval.repeats` times, after untimed
+warm-up calls on the unit holding the longest prompt. Decoding runs through `specdec_runtime.bench.fast_model`, the
+backend `bench` times (compact model + static cache + CUDA graphs on CUDA, the HF model on CPU); the report names
+it (`settings.backend`).
+
+Prompts are split over processes (rank r takes every world-th prompt of each half); per-unit runs are gathered on
+every rank (the confirmation needs the choice), and rank 0 writes the report.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import resource
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,17 +33,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eval.config import EvalConfig
+from eval.config import EvalConfig, ServingConfig
+from eval.recommend import choose
+from specdec_runtime.ab import PeakMemory, paired_metrics, paired_runs, pooled
+from specdec_runtime.bench import backend_name, fast_model, full_units, longest_unit
 from specdec_runtime.engine import SamplingParams, generate
-from specdec_runtime.loading import check_vocab_compatible, load_model
-from specdec_runtime.metrics import (
-    GenerationStats,
-    analytic_speedup,
-    expected_acceptance,
-    measure_cost_ratios,
-    merge_stats,
-    predicted_speedup,
+from specdec_runtime.loading import (
+    check_vocab_compatible,
+    load_checkpoint,
+    load_model,
+    resolve_dtype,
+    stop_token_ids,
 )
+from specdec_runtime.metrics import GenerationStats, expected_acceptance, merge_stats
 from specdec_runtime.tree import parse_tree, tree_size
 
 LENGTH_BUCKETS = ("short", "medium", "long")
@@ -77,8 +87,10 @@ def resolve_candidates(paths: list[str | Path]) -> list[Candidate]:
             check_draft_folder(path)
             found.append(Candidate(name=path.name, path=path))
         else:
-            raise ValueError(f"candidate {path} does not exist; pass a draft folder, a checkpoint folder or a "
-                             "distillation run directory (candidates/<name>/)")
+            raise ValueError(
+                f"candidate {path} does not exist; pass a draft folder, a checkpoint folder or a "
+                "distillation run directory (candidates/<name>/)"
+            )
     names = [c.name for c in found]
     for i, cand in enumerate(found):  # disambiguate same-named folders from different runs
         if names.count(cand.name) > 1:
@@ -102,8 +114,10 @@ def _run_dir_candidates(run_dir: Path) -> list[Candidate]:
 def check_draft_folder(path: Path) -> None:
     has_weights = any(path.glob("*.safetensors")) or (path / "adapter_config.json").is_file()
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-        raise ValueError(f"candidate folder {path} has no config.json: expected an HF model folder "
-                         "(config.json + *.safetensors), e.g. candidates/<name>/best")
+        raise ValueError(
+            f"candidate folder {path} has no config.json: expected an HF model folder "
+            "(config.json + *.safetensors), e.g. candidates/<name>/best"
+        )
     if not has_weights:
         raise ValueError(f"candidate folder {path} has no weights (*.safetensors); is the checkpoint complete?")
 
@@ -111,11 +125,8 @@ def check_draft_folder(path: Path) -> None:
 def load_draft(cand: Candidate, device: str, dtype: str):
     """Load a candidate's draft; a LoRA adapter folder is merged into its base for decoding."""
     if (cand.path / "adapter_config.json").is_file():
-        from eval.export import load_checkpoint
-        from specdec_runtime.loading import resolve_dtype
-
-        # The export loader: it finds the adapters' real base (a truncated student's lora_base/) and refuses a base
-        # whose architecture is not the one the adapters were trained on.
+        # `load_checkpoint` finds the adapters' real base (a truncated student's lora_base/) and refuses a base whose
+        # architecture is not the one the adapters were trained on.
         model, tokenizer, _ = load_checkpoint(cand.path)
         return model.to(device=device, dtype=resolve_dtype(dtype, device)).eval(), tokenizer
     return load_model(str(cand.path), dtype=dtype, device=device)
@@ -128,53 +139,87 @@ def load_draft(cand: Candidate, device: str, dtype: str):
 def target_fingerprint(model, tokenizer) -> str:
     """Identifies the target a report was made for: its vocabulary and its architecture config."""
     digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    arch = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version",
-                                                                        "dtype", "torch_dtype")}
+    arch = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
+    }
     digest.update(json.dumps(arch, sort_keys=True, default=str).encode())
     return digest.hexdigest()[:16]
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB; process-wide max
+def split_prompts(prompts: list) -> tuple[list, list]:
+    """(selection, confirmation): alternate prompts, so each half spans the categories of a file sorted by them."""
+    return prompts[0::2], prompts[1::2]
 
 
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+@dataclass(frozen=True)
+class Setting:
+    """One measured point: sampling, drafting and concurrency."""
+
+    temperature: float
+    draft_rule: str
+    num_draft_tokens: int
+    """gamma for a chain, the depth for a tree."""
+    tree: str | None
+    batch_size: int
 
 
-def run_prompts(target, draft, prompts: list[EvalPrompt], *, gamma: int, rule: str, temperature: float,
-                max_new_tokens: int, batch_size: int, stop_ids: tuple[int, ...], seed: int, warmup: int,
-                tree: str | None = None):
-    """Decode every prompt (batched), after `warmup` untimed batches -> (tokens per prompt, stats).
+@dataclass(frozen=True)
+class Bench:
+    """What every paired measurement shares: the target as decoded (fast path) and the run parameters."""
 
-    tree: a token-tree spec drafted instead of a chain of gamma tokens (its depth replaces gamma).
-    """
-    sampling = SamplingParams(temperature=temperature)
-    generator = torch.Generator(device=target.device)
-    kwargs = dict(num_draft_tokens=gamma, draft_rule=rule, sampling=sampling, max_new_tokens=max_new_tokens,
-                  stop_token_ids=stop_ids, generator=generator, tree=tree)
-    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-    for batch in batches[:warmup]:
-        generate(target, draft, [p.ids for p in batch], **kwargs)
-    generator.manual_seed(seed)
-    tokens, parts = [], []
-    for batch in batches:
-        result = generate(target, draft, [p.ids for p in batch], **kwargs)
-        tokens += result.tokens
-        parts.append(result.stats)
-    return tokens, merge_stats(parts)
+    target: torch.nn.Module
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    seed: int
+    repeats: int
+    warmup: int
 
 
-def offline_acceptance(target, draft, prompts: list[EvalPrompt], outputs: list[list[int]], temperature: float,
-                       rule: str) -> float:
+def measure(bench: Bench, draft, prompts: list[EvalPrompt], setting: Setting, outputs: dict | None = None) -> dict:
+    """Paired, repeated A/B of one setting on `prompts` -> {"prompts", "runs": {arm: per unit, per repeat stats},
+    "peak"}. Warm-up: `bench.warmup` untimed calls per arm on the unit with the longest prompt, speculative first
+    (it sizes the target's static cache, which target-only reuses). `outputs` collects the target-only tokens per
+    prompt id (for the offline acceptance estimate)."""
+    units = full_units(prompts, setting.batch_size)
+    kwargs = dict(
+        num_draft_tokens=setting.num_draft_tokens,
+        draft_rule=setting.draft_rule,
+        sampling=SamplingParams(temperature=setting.temperature),
+        max_new_tokens=bench.max_new_tokens,
+        stop_token_ids=bench.stop_ids,
+    )
+
+    def run(unit: int, arm: str, repeat: int) -> GenerationStats:
+        gen = torch.Generator(device=bench.target.device).manual_seed(bench.seed + 7919 * repeat + unit)
+        spec = arm == "speculative"
+        ids = [p.ids for p in units[unit]]
+        result = generate(
+            bench.target, draft if spec else None, ids, generator=gen, tree=setting.tree if spec else None, **kwargs
+        )
+        if outputs is not None and not spec and repeat == 0:
+            outputs.update({p.id: tokens for p, tokens in zip(units[unit], result.tokens)})
+        return result.stats
+
+    with PeakMemory(bench.target.device) as peak:
+        warm = longest_unit([[p.ids for p in unit] for unit in units])
+        for arm in ("speculative", "target_only"):
+            for _ in range(bench.warmup):
+                run(warm, arm, 0)
+        runs = paired_runs(run, units=len(units), arms=("target_only", "speculative"), repeats=bench.repeats)
+    return {"prompts": [p for unit in units for p in unit], "runs": runs, "peak": peak.bytes}
+
+
+def offline_acceptance(
+    target, draft, prompts: list[EvalPrompt], outputs: dict[str, list[int]], temperature: float, rule: str
+) -> float:
     """`expected_acceptance` (sum_v min(p, q), or p(argmax q) for greedy) over the target's own outputs."""
     sampling = SamplingParams(temperature=temperature)
     total, count = 0.0, 0
     with torch.no_grad():
-        for prompt, out in zip(prompts, outputs):
+        for prompt in prompts:
+            out = outputs.get(prompt.id) or []
             if not out:
                 continue
             ids = torch.tensor([prompt.ids + out], device=target.device)
@@ -187,16 +232,201 @@ def offline_acceptance(target, draft, prompts: list[EvalPrompt], outputs: list[l
     return total / max(count, 1)
 
 
-def _group(stats: GenerationStats, keys: list[str]) -> dict[str, dict]:
+def _check_split_sizes(selection: list, confirmation: list, cfg: EvalConfig, world_size: int) -> None:
+    """Every rank's share of each half must fill one batch at every concurrency it is measured at."""
+    need = {
+        "selection": (len(selection) // world_size, min(cfg.batch_sizes)),
+        "confirmation": (len(confirmation) // world_size, max(cfg.batch_sizes)),
+    }
+    for half, (have, batch) in need.items():
+        if have < batch:
+            raise ValueError(
+                f"the {half} half of the eval prompts has {have} prompt(s) per process, fewer than batch size {batch} "
+                f"(eval.batch_sizes={cfg.batch_sizes}, {world_size} process(es)); raise eval.max_prompts, pass more "
+                "prompts or lower eval.batch_sizes"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sweep
+
+
+def evaluate(
+    target,
+    tokenizer,
+    candidates: list[Candidate],
+    prompts: list[EvalPrompt],
+    cfg: EvalConfig,
+    *,
+    target_spec: str,
+    serving: ServingConfig | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "auto",
+    rank: int = 0,
+    world_size: int = 1,
+    gather=None,
+    progress: bool = True,
+) -> dict:
+    """Run the sweep on the selection half and, with `serving`, measure the setting `eval.recommend.choose` picks for
+    it on the confirmation half at every batch size (`report["confirmation"]`); returns the report dict (keys of
+    DESIGN.md; eval/report.py renders it, `eval.recommend.recommend` decides from it).
+
+    `gather(obj) -> list[obj]` collects per-rank results on every rank (accelerate's gather_object); with one
+    process it is not needed.
+    """
+    if len(prompts) < 2:
+        raise ValueError("the eval prompt set needs at least 2 prompts (a selection and a confirmation half)")
+    if not candidates:
+        raise ValueError("no candidate drafts to evaluate; pass draft folders or a run with finished candidates")
+    selection, confirmation = split_prompts(prompts)
+    _check_split_sizes(selection, confirmation, cfg, world_size)
+    # At temperature 0 both draft rules propose argmax q, so `sample` would repeat `greedy` exactly.
+    groups = [(t, r) for t in cfg.temperatures for r in cfg.draft_rules if not (t == 0 and r == "sample")]
+    groups = groups or [(t, "greedy") for t in cfg.temperatures]
+    if serving is not None and (serving.temperature, _serving_rule(serving)) not in groups:
+        raise ValueError(
+            f"serving.temperature={serving.temperature} / draft_rule={serving.draft_rule} is not swept; add them to "
+            "eval.temperatures / eval.draft_rules or change the serving section"
+        )
+    trees = {spec: tree_size(parse_tree(spec))[0] for spec in cfg.trees}  # spec -> depth
+    batch = min(cfg.batch_sizes)
+    points = [Setting(t, r, g, None, batch) for t, r in groups for g in cfg.num_draft_tokens]
+    points += [Setting(t, r, depth, spec, batch) for t, r in groups for spec, depth in trees.items()]
+    bar = tqdm(total=len(candidates) * len(points), desc="eval", disable=not progress or rank != 0)
+    fast_target = fast_model(target)
+    bench = Bench(fast_target, cfg.max_new_tokens, stop_token_ids(target, tokenizer), seed, cfg.repeats, cfg.warmup)
+    mine = selection[rank::world_size]
+
+    outputs: dict[float, dict[str, list[int]]] = {}  # temperature -> prompt id -> target-only tokens
+    measured = []
+    for cand in candidates:
+        draft, draft_tokenizer = load_draft(cand, device, dtype)
+        check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
+        fast_draft = fast_model(draft)
+        rows = []
+        for point in points:
+            rows.append(measure(bench, fast_draft, mine, point, outputs.setdefault(point.temperature, {})))
+            bar.update(1)
+        offline = {(t, r): offline_acceptance(target, draft, mine, outputs[t], t, r) for t, r in groups}
+        offline_t1 = offline_acceptance(target, draft, mine, outputs[cfg.temperatures[-1]], 1.0, "sample")
+        measured.append(dict(rows=rows, offline=offline, offline_t1=offline_t1, params=_num_parameters(draft)))
+        del draft, fast_draft
+    bar.close()
+
+    local = dict(points=points, candidates=measured)
+    parts = gather(local) if gather is not None and world_size > 1 else [local]
+    report = build_report(
+        parts,
+        candidates,
+        cfg,
+        target_spec=target_spec,
+        fingerprint=target_fingerprint(target, tokenizer),
+        device=target.device,
+        backend=backend_name(fast_target),
+        stop_ids=bench.stop_ids,
+        split_counts=(len(selection), len(confirmation)),
+    )
+    if serving is not None:
+        report["confirmation"] = confirm(
+            report,
+            candidates,
+            bench,
+            confirmation[rank::world_size],
+            cfg,
+            serving,
+            device=device,
+            dtype=dtype,
+            gather=gather if world_size > 1 else None,
+        )
+    return report
+
+
+def _serving_rule(serving: ServingConfig) -> str:
+    return "greedy" if serving.temperature == 0 else serving.draft_rule  # the sweep runs only greedy at T=0
+
+
+def _num_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def confirm(
+    report: dict,
+    candidates: list[Candidate],
+    bench: Bench,
+    prompts: list[EvalPrompt],
+    cfg: EvalConfig,
+    serving: ServingConfig,
+    *,
+    device: str,
+    dtype: str,
+    gather=None,
+) -> dict:
+    """Measure the setting `choose` picks from the selection numbers on this rank's confirmation prompts, once per
+    batch size -> the report's `confirmation` block (merged over ranks)."""
+    cand_report, best = choose(report, serving.temperature, _serving_rule(serving))
+    cand = next(c for c in candidates if c.name == cand_report["name"])
+    draft, _ = load_draft(cand, device, dtype)
+    fast_draft = fast_model(draft)
+    local = [
+        measure(
+            bench,
+            fast_draft,
+            prompts,
+            Setting(best["temperature"], best["draft_rule"], best["num_draft_tokens"], None, b),
+        )
+        for b in sorted(cfg.batch_sizes)
+    ]
+    parts = gather(local) if gather is not None else [local]
+    by_batch = []
+    for i, b in enumerate(sorted(cfg.batch_sizes)):
+        runs = {arm: [u for part in parts for u in part[i]["runs"][arm]] for arm in ("target_only", "speculative")}
+        row = {"batch_size": b, **_paired(runs, best["num_draft_tokens"])}
+        row["peak_memory_bytes"] = max(part[i]["peak"] for part in parts)
+        by_batch.append(row)
+    return {
+        "name": cand_report["name"],
+        "draft": cand_report["draft"],
+        "num_draft_tokens": best["num_draft_tokens"],
+        "draft_rule": best["draft_rule"],
+        "temperature": best["temperature"],
+        "split": "confirmation",
+        "prompts": sum(len(part[0]["prompts"]) for part in parts),
+        "by_batch_size": by_batch,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The report
+
+
+def _paired(runs: dict, gamma: int) -> dict:
+    """`ab.paired_metrics` plus both arms' latency and phases, pooled over every unit and repeat (throughput over
+    the batch, TTFT / TPOT per request)."""
+    base, spec = pooled(runs["target_only"]), pooled(runs["speculative"])
+    agg, base_agg = spec.aggregate(), base.aggregate()
+    latency = ("tokens_per_s", "ttft_s", "tpot_s")
+    return {
+        **paired_metrics(runs["target_only"], runs["speculative"], gamma),
+        **{k: agg[k] for k in latency},
+        "phases": spec.phases.to_dict(),
+        "target_only": {**{k: base_agg[k] for k in latency}, "phases": base.phases.to_dict()},
+        "target_tokens_per_s": base_agg["tokens_per_s"],
+    }
+
+
+def _group(requests: list, keys: list[str], repeats: int) -> dict[str, dict]:
     groups: dict[str, list] = {}
-    for key, req in zip(keys, stats.requests):
+    for key, req in zip(keys, requests, strict=True):
         groups.setdefault(key, []).append(req)
     out = {}
     for key, reqs in sorted(groups.items()):
-        agg = GenerationStats(requests=reqs, wall_s=sum(r.wall_s for r in reqs), target_forwards=0,
-                              draft_forwards=0).aggregate()
-        out[key] = {"acceptance_rate": agg["acceptance_rate"], "mean_accepted_length": agg["mean_accepted_length"],
-                    "count": len(reqs)}
+        agg = GenerationStats(requests=reqs, wall_s=0.0, target_forwards=0, draft_forwards=0).aggregate()
+        out[key] = {
+            "acceptance_rate": agg["acceptance_rate"],
+            "mean_accepted_length": agg["mean_accepted_length"],
+            "count": len(reqs) // repeats,  # prompts, not prompts x repeats
+        }
     return out
 
 
@@ -204,155 +434,136 @@ def length_bucket(n: int, max_new_tokens: int) -> str:
     return LENGTH_BUCKETS[min(2, 3 * n // max(max_new_tokens, 1))]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The sweep
+def _setting(point: Setting, rows: list[dict], offline: float, cfg: EvalConfig) -> dict:
+    """One setting of the report from every rank's measurement of it."""
+    runs = {arm: [u for row in rows for u in row["runs"][arm]] for arm in ("target_only", "speculative")}
+    prompts = [p for row in rows for p in row["prompts"]]
+    once = merge_stats([unit[0] for unit in runs["speculative"]]).aggregate()  # each prompt once: counts and sizes
+    spec = pooled(runs["speculative"])
+    # pooled requests run unit by unit, each unit's repeats in turn: the prompt keys in the same order
+    units = [prompts[i : i + point.batch_size] for i in range(0, len(prompts), point.batch_size)]
+    order = [p for unit in units for _ in range(cfg.repeats) for p in unit]
+    return {
+        "num_draft_tokens": point.num_draft_tokens,
+        "temperature": point.temperature,
+        "draft_rule": point.draft_rule,
+        "tree": point.tree,
+        "batch_size": point.batch_size,
+        **_paired(runs, point.num_draft_tokens),
+        "expected_acceptance": offline,
+        "wall_s": once["wall_s"],
+        "new_tokens": once["new_tokens"],
+        "target_forwards": once["target_forwards"],
+        "draft_forwards": once["draft_forwards"],
+        "peak_memory_bytes": max(row["peak"] for row in rows),
+        "by_category": _group(spec.requests, [p.category for p in order], cfg.repeats),
+        "by_length": _group(
+            spec.requests, [length_bucket(r.new_tokens, cfg.max_new_tokens) for r in spec.requests], cfg.repeats
+        ),
+    }
 
 
-def evaluate(target, tokenizer, candidates: list[Candidate], prompts: list[EvalPrompt], cfg: EvalConfig, *,
-             target_spec: str, seed: int = 0, device: str = "cpu", dtype: str = "auto", rank: int = 0,
-             world_size: int = 1, gather=None, progress: bool = True) -> dict:
-    """Run the whole sweep and return the report dict (keys of DESIGN.md; see eval/report.py for rendering).
-
-    `gather(obj) -> list[obj]` collects per-rank results on every rank (accelerate's gather_object); with one
-    process it is not needed.
-    """
-    if not prompts:
-        raise ValueError("the eval prompt set is empty; pass a prompt file with at least one prompt")
-    if not candidates:
-        raise ValueError("no candidate drafts to evaluate; pass draft folders or a run with finished candidates")
-    mine = prompts[rank::world_size]
-    stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    # At temperature 0 both draft rules propose argmax q, so `sample` would repeat `greedy` exactly.
-    settings = [(t, r) for t in cfg.temperatures for r in cfg.draft_rules if not (t == 0 and r == "sample")]
-    settings = settings or [(t, "greedy") for t in cfg.temperatures]
-    trees = {spec: tree_size(parse_tree(spec)) for spec in cfg.trees}  # spec -> (depth, nodes)
-    total = len(cfg.temperatures) + len(candidates) * len(settings) * (len(cfg.num_draft_tokens) + len(trees))
-    bar = tqdm(total=total, desc="eval", disable=not progress or rank != 0)
-    run = dict(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, stop_ids=stop_ids, seed=seed,
-               warmup=cfg.warmup)
-
-    baseline, outputs = {}, {}
-    for temperature in cfg.temperatures:
-        _reset_peak(target.device)
-        tokens, stats = run_prompts(target, None, mine, gamma=1, rule="greedy", temperature=temperature, **run)
-        baseline[temperature] = (stats, peak_memory_bytes(target.device))
-        outputs[temperature] = tokens
-        bar.update(1)
-
-    report_candidates = []
-    for cand in candidates:
-        draft, draft_tokenizer = load_draft(cand, device, dtype)
-        check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
-        costs = {g: measure_cost_ratios(target, draft, num_draft_tokens=g) for g in cfg.num_draft_tokens}
-        # A tree step's verify forward covers its nodes (+ the pending token), its draft runs one forward per level.
-        tree_costs = {spec: measure_cost_ratios(target, draft, num_draft_tokens=nodes)
-                      for spec, (_, nodes) in trees.items()}
-        offline = {(t, r): offline_acceptance(target, draft, mine, outputs[t], t, r) for t, r in settings}
-        offline_t1 = offline_acceptance(target, draft, mine, outputs[cfg.temperatures[-1]], 1.0, "sample")
-        rows = []
-        for temperature, rule in settings:
-            for gamma in cfg.num_draft_tokens:
-                _reset_peak(target.device)
-                tokens, stats = run_prompts(target, draft, mine, gamma=gamma, rule=rule, temperature=temperature,
-                                            **run)
-                rows.append(dict(temperature=temperature, draft_rule=rule, num_draft_tokens=gamma, stats=stats,
-                                 peak=peak_memory_bytes(target.device), offline=offline[(temperature, rule)],
-                                 costs=costs[gamma], tree=None))
-                bar.update(1)
-            for spec, (depth, _) in trees.items():
-                _reset_peak(target.device)
-                tokens, stats = run_prompts(target, draft, mine, gamma=depth, rule=rule, temperature=temperature,
-                                            tree=spec, **run)
-                rows.append(dict(temperature=temperature, draft_rule=rule, num_draft_tokens=depth, stats=stats,
-                                 peak=peak_memory_bytes(target.device), offline=offline[(temperature, rule)],
-                                 costs=tree_costs[spec], tree=spec))
-                bar.update(1)
-        report_candidates.append(dict(cand=cand, rows=rows, offline_t1=offline_t1,
-                                      num_parameters=sum(p.numel() for p in draft.parameters())))
-        del draft
-    bar.close()
-
-    local = dict(baseline=baseline, candidates=report_candidates, prompts=mine)
-    parts = gather(local) if gather is not None and world_size > 1 else [local]
-    return build_report(parts, cfg, target_spec=target_spec, fingerprint=target_fingerprint(target, tokenizer),
-                        device=target.device)
+def _target_only(parts: list[dict], temperature: float) -> dict:
+    """Target-only decoding at one temperature, pooled over every setting's paired runs at that temperature."""
+    calls = [
+        unit_call
+        for part in parts
+        for point, c in zip(part["points"], range(len(part["points"])))
+        if point.temperature == temperature
+        for cand in part["candidates"]
+        for unit in cand["rows"][c]["runs"]["target_only"]
+        for unit_call in unit
+    ]
+    agg = merge_stats(calls).aggregate()
+    peaks = [
+        cand["rows"][c]["peak"]
+        for part in parts
+        for cand in part["candidates"]
+        for c, point in enumerate(part["points"])
+        if point.temperature == temperature
+    ]
+    return {
+        "temperature": temperature,
+        **{k: agg[k] for k in ("tokens_per_s", "ttft_s", "tpot_s")},
+        "decode_s": agg["decode_s"],
+        "calls": len(calls),
+        "peak_memory_bytes": max(peaks),
+    }
 
 
-def build_report(parts: list[dict], cfg: EvalConfig, *, target_spec: str, fingerprint: str, device) -> dict:
-    """Merge per-rank measurements into the report dict: pooled counters, summed wall times."""
-    prompts = [p for part in parts for p in part["prompts"]]
+def build_report(
+    parts: list[dict],
+    candidates: list[Candidate],
+    cfg: EvalConfig,
+    *,
+    target_spec: str,
+    fingerprint: str,
+    device,
+    backend: str,
+    stop_ids: tuple[int, ...],
+    split_counts: tuple[int, int],
+) -> dict:
+    """Merge per-rank measurements into the report dict (the selection half's sweep)."""
+    points = parts[0]["points"]
     categories: dict[str, int] = {}
-    for p in prompts:
-        categories[p.category] = categories.get(p.category, 0) + 1
-
-    def merged(get):
-        return merge_stats([get(part) for part in parts])
-
-    target_only, base_stats = [], {}
-    for temperature in cfg.temperatures:
-        stats = merged(lambda part, t=temperature: part["baseline"][t][0])
-        base_stats[temperature] = stats
-        agg = stats.aggregate()
-        target_only.append({"temperature": temperature, **_timing(agg),
-                            "peak_memory_bytes": max(part["baseline"][temperature][1] for part in parts)})
-
-    candidates = []
-    for c_idx, first in enumerate(parts[0]["candidates"]):
-        cand = first["cand"]
-        settings = []
-        for r_idx, row in enumerate(first["rows"]):
-            stats = merged(lambda part, c=c_idx, r=r_idx: part["candidates"][c]["rows"][r]["stats"])
-            keys_order = [p for part in parts for p in part["prompts"]]
-            settings.append(_setting(row, stats, base_stats[row["temperature"]], keys_order, cfg,
-                                     peak=max(part["candidates"][c_idx]["rows"][r_idx]["peak"] for part in parts)))
-        candidates.append({"name": cand.name, "draft": str(cand.path),
-                           "run_dir": str(cand.run_dir) if cand.run_dir else None,
-                           "num_parameters": first["num_parameters"],
-                           "expected_acceptance": sum(p["candidates"][c_idx]["offline_t1"] for p in parts) / len(parts),
-                           "settings": settings})
+    for row in (part["candidates"][0]["rows"][0] for part in parts):
+        for p in row["prompts"]:
+            categories[p.category] = categories.get(p.category, 0) + 1
+    report_candidates = []
+    for c_idx, cand in enumerate(candidates):
+        per_rank = [part["candidates"][c_idx] for part in parts]
+        settings = [
+            _setting(
+                point,
+                [m["rows"][s_idx] for m in per_rank],
+                sum(m["offline"][(point.temperature, point.draft_rule)] for m in per_rank) / len(per_rank),
+                cfg,
+            )
+            for s_idx, point in enumerate(points)
+        ]
+        report_candidates.append(
+            {
+                "name": cand.name,
+                "draft": str(cand.path),
+                "kind": "standalone",
+                "run_dir": str(cand.run_dir) if cand.run_dir else None,
+                "num_parameters": per_rank[0]["params"],
+                "expected_acceptance": sum(m["offline_t1"] for m in per_rank) / len(per_rank),
+                "expected_acceptance_temperature": 1.0,
+                "settings": settings,
+            }
+        )
     return {
         "schema_version": 1,
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "target": target_spec,
         "target_fingerprint": fingerprint,
         "device": _device_name(device),
-        "prompts": {"source": cfg.prompts, "count": len(prompts), "categories": categories},
-        "sweep": {"num_draft_tokens": cfg.num_draft_tokens, "temperatures": cfg.temperatures,
-                  "draft_rules": cfg.draft_rules, "trees": cfg.trees, "max_new_tokens": cfg.max_new_tokens,
-                  "batch_size": cfg.batch_size},
-        "target_only": target_only,
-        "candidates": candidates,
-    }
-
-
-def _timing(agg: dict) -> dict:
-    return {k: agg[k] for k in ("tokens_per_s", "wall_s", "new_tokens", "ttft_s", "tpot_s")}
-
-
-def _setting(row: dict, stats: GenerationStats, base: GenerationStats, prompts: list[EvalPrompt], cfg: EvalConfig,
-             peak: int) -> dict:
-    agg = stats.aggregate()
-    gamma, (c, v) = row["num_draft_tokens"], row["costs"]
-    alpha, tau = agg["acceptance_rate"] or 0.0, agg["mean_accepted_length"] or 1.0
-    # Wall time per generated token: equal to the wall-time ratio at T=0 (identical outputs), and fair at T>0 where
-    # the two runs sample different lengths.
-    base_agg = base.aggregate()
-    speedup = (agg["tokens_per_s"] / base_agg["tokens_per_s"]) if agg["tokens_per_s"] and base_agg["tokens_per_s"] \
-        else None
-    predicted = predicted_speedup(tau, gamma, c, v)
-    return {
-        "num_draft_tokens": gamma, "temperature": row["temperature"], "draft_rule": row["draft_rule"],
-        "tree": row["tree"], "acceptance_rate": alpha, "mean_accepted_length": tau,
-        "nodes_per_step": agg["nodes_per_step"],
-        "per_position_acceptance": agg["per_position_acceptance"],
-        "expected_acceptance": row["offline"], "cost_ratio": c, "verify_cost_ratio": v,
-        "analytic_speedup": analytic_speedup(alpha, gamma, c), "predicted_speedup": predicted,
-        "speedup": speedup, "efficiency": speedup / predicted if speedup and predicted else None,
-        **_timing(agg), "target_tokens_per_s": base_agg["tokens_per_s"],
-        "target_forwards": agg["target_forwards"], "draft_forwards": agg["draft_forwards"],
-        "peak_memory_bytes": peak,
-        "by_category": _group(stats, [p.category for p in prompts]),
-        "by_length": _group(stats, [length_bucket(r.new_tokens, cfg.max_new_tokens) for r in stats.requests]),
+        "prompts": {
+            "source": cfg.prompts,
+            "count": sum(split_counts),
+            "selection": split_counts[0],
+            "confirmation": split_counts[1],
+            "categories": categories,
+        },
+        "sweep": {
+            "num_draft_tokens": cfg.num_draft_tokens,
+            "temperatures": cfg.temperatures,
+            "draft_rules": cfg.draft_rules,
+            "trees": cfg.trees,
+            "max_new_tokens": cfg.max_new_tokens,
+            "batch_size": min(cfg.batch_sizes),
+            "batch_sizes": cfg.batch_sizes,
+        },
+        "settings": {
+            "backend": backend,
+            "split": "selection",
+            "repeats": cfg.repeats,
+            "warmup": cfg.warmup,
+            "stop_token_ids": list(stop_ids),
+        },
+        "target_only": [_target_only(parts, t) for t in cfg.temperatures],
+        "candidates": report_candidates,
     }
 
 
@@ -361,35 +572,6 @@ def _device_name(device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return "cpu"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Recommendation
-
-
-def recommend(report: dict, *, temperature: float, draft_rule: str, min_acceptance: float) -> dict:
-    """Best candidate and num_draft_tokens by measured speedup at the serving setting; disabled with the reason when
-    nothing beats target-only decoding or acceptance is below min_acceptance. Only chains: the serving engines'
-    draft-model speculation (vLLM, SGLang, TensorRT-LLM) drafts chains, so tree settings are reported, not promoted."""
-    rule = "greedy" if temperature == 0 else draft_rule  # the sweep runs only greedy at T=0 (identical there)
-    options = [(s, c) for c in report["candidates"] for s in c["settings"]
-               if s["temperature"] == temperature and s["draft_rule"] == rule and s.get("tree") is None]
-    if not options:
-        raise ValueError(f"the report has no setting at temperature={temperature}, draft_rule={rule}; add them to "
-                         "eval.temperatures / eval.draft_rules or change serving.temperature / serving.draft_rule")
-    best, cand = max(options, key=lambda sc: sc[0]["speedup"] or 0.0)
-    measured = {k: best[k] for k in ("acceptance_rate", "mean_accepted_length", "speedup")}
-    rec = {"name": cand["name"], "draft": cand["draft"], "num_draft_tokens": best["num_draft_tokens"],
-           "draft_rule": rule, "temperature": temperature, "measured": measured}
-    setting = f"{cand['name']} at num_draft_tokens={best['num_draft_tokens']} (T={temperature}, {rule})"
-    if (best["speedup"] or 0.0) <= 1.0:
-        return {**rec, "enabled": False, "reason": f"no candidate beats target-only decoding: the best, {setting}, "
-                f"measured {best['speedup']:.2f}x"}
-    if best["acceptance_rate"] < min_acceptance:
-        return {**rec, "enabled": False, "reason": f"best speedup {best['speedup']:.2f}x by {setting}, but its "
-                f"acceptance_rate {best['acceptance_rate']:.2f} is below min_acceptance {min_acceptance}"}
-    return {**rec, "enabled": True, "reason": f"best measured speedup {best['speedup']:.2f}x by {setting}, "
-            f"acceptance_rate {best['acceptance_rate']:.2f}"}
 
 
 def save_report(report: dict, out_dir: Path) -> Path:

@@ -95,3 +95,24 @@ def staged_dir(final: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     replace_dir(tmp, final)
+
+
+@contextlib.contextmanager
+def staged_cache_dir(final: Path) -> Iterator[Path]:
+    """Like `staged_dir`, for a cache entry that several processes may build at once with the same content (every
+    rank converting one GGUF): each writes its own temp folder and the first to finish renames it to `final`. A
+    later finisher's rename is refused (`final` is not empty), so a folder is never replaced under a reader; its
+    copy is dropped, and so is any error it met, since `final` is complete (it only ever appears by a rename)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-"))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not final.is_dir():  # not another process winning the race: a real error
+            raise
+        return
+    fsync_dir(final.parent)

@@ -1,22 +1,38 @@
 """Benchmark one target/draft pair on one prompt set: target-only vs speculative (ours) vs HF assisted generation.
 
-All three run in this process on the same prompts with the same stop token; warm-up runs are excluded from timings.
-On CUDA, Llama-family models run through the compact model (bf16 static cache + CUDA graphs) for both of our modes,
-while HF assisted generation uses the HF models as given. HF assisted generation only supports batch size 1, so it
-runs prompt by prompt whatever `batch_size` is. With `tree`, a token-tree run of the same pair joins them (our engine,
-same prompts), reported next to the chain as `tree`. The lead's CLI wires this to `specdistill bench`.
+All arms run in this process on the same prompts with the same stop tokens, paired and repeated (`ab.paired_runs`:
+ABBA order per unit, `repeats` times); warm-up runs on the longest unit are excluded from timings. A unit is one
+batch of `batch_size` prompts (prompts past the last full batch are left out, so every timed call has one shape and
+the static cache and CUDA graphs are never rebuilt inside a timed run). On CUDA, Llama-family models run through the
+compact model (bf16 static cache + CUDA graphs) for both of our modes, while HF assisted generation uses the HF models
+as given; HF assisted generation only supports batch size 1, so it runs prompt by prompt whatever `batch_size` is.
+
+HF assisted generation reads its drafting knobs from the *draft's* generation config, not from the arguments of
+`generate` (transformers 5, generation/candidate_generator.py: `num_assistant_tokens`,
+`num_assistant_tokens_schedule` and `assistant_confidence_threshold` come from `assistant_model.generation_config`;
+the default threshold 0.4 stops drafting early). `fair_assistant` sets them on a copy for the run, and a forward
+hook on the target records the width HF really verified (`hf_assisted.draft_tokens_per_step`).
+
+With `tree`, a token-tree run of the same pair joins them (our engine, same prompts), reported as `tree`. The lead's
+CLI wires this to `specdistill bench`.
 """
 
+import copy
+import statistics
 import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig
 
+from .ab import decode_s_per_token, paired_metrics, paired_runs, paired_speedup, pooled
 from .engine import generate
 from .llama import Llama
-from .metrics import analytic_speedup, measure_cost_ratios, merge_stats, predicted_speedup
+from .loading import stop_token_ids
+from .metrics import GenerationStats
 from .sampling import DraftRule, SamplingParams
-from .tree import parse_tree, tree_size
 
 
 def fast_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -26,24 +42,115 @@ def fast_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _run_ours(target, draft, prompts, batch_size, **kwargs) -> dict:
-    parts = [generate(target, draft, prompts[i : i + batch_size], **kwargs) for i in range(0, len(prompts), batch_size)]
-    return merge_stats([part.stats for part in parts]).aggregate()
+def backend_name(model: torch.nn.Module) -> str:
+    """Which decoding backend a model runs: the compact static-cache model (CUDA graphs on CUDA) or HF eager."""
+    if isinstance(model, Llama):
+        return "compact-static-cache+cuda-graphs" if model.device.type == "cuda" and model.use_graphs else "compact"
+    return "hf-eager"
 
 
-def _run_hf_assisted(target, draft, prompts, config: GenerationConfig) -> dict:
-    new_tokens, wall_s = 0, 0.0
+def full_units(items: Sequence, batch_size: int) -> list[list]:
+    """Consecutive batches of exactly batch_size items (the remainder is left out) -> units."""
+    if batch_size > len(items):
+        raise ValueError(f"batch size {batch_size} needs at least {batch_size} prompts (got {len(items)})")
+    return [list(items[i : i + batch_size]) for i in range(0, len(items) - batch_size + 1, batch_size)]
+
+
+def longest_unit(units: list[list[list[int]]]) -> int:
+    """Index of the unit holding the longest prompt: its warm-up allocates the largest cache any timed call needs."""
+    return max(range(len(units)), key=lambda i: max(len(p) for p in units[i]))
+
+
+# ---------------------------------------------------------------------------------------- HF assisted generation
+
+
+@dataclass
+class HFRun:
+    """One HF assisted generate call (or several, summed)."""
+
+    new_tokens: int
+    wall_s: float
+    widths: list[int] = field(default_factory=list)
+    """Draft tokens each target verify forward scored (the first forward's prompt excluded)."""
+
+
+class VerifyWidths:
+    """Forward pre-hook on the target: how many draft tokens each HF assisted verify forward scores.
+
+    A verify forward feeds the tokens the target has not cached (the whole prompt the first time, then the last
+    emitted token) plus the candidates, so candidates = input width - uncached tokens.
+    """
+
+    def __init__(self, target: torch.nn.Module):
+        self.widths: list[int] = []
+        self.uncached = 0
+        self.handle = target.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def start(self, prompt_len: int) -> None:
+        self.uncached = prompt_len
+
+    def _hook(self, module, args, kwargs) -> None:
+        ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        self.widths.append(ids.shape[1] - self.uncached)
+        self.uncached = 1
+
+
+@contextmanager
+def fair_assistant(draft: torch.nn.Module, num_draft_tokens: int):
+    """Inside the block HF assisted generation drafts exactly num_draft_tokens per step (constant schedule, no
+    confidence stop), set on a copy of the draft's generation config; the original is put back afterwards."""
+    original = draft.generation_config
+    fair = copy.deepcopy(original)
+    fair.num_assistant_tokens = num_draft_tokens
+    fair.num_assistant_tokens_schedule = "constant"
+    fair.assistant_confidence_threshold = 0.0  # falsy: transformers skips the confidence stop
+    draft.generation_config = fair
+    try:
+        yield
+    finally:
+        draft.generation_config = original
+
+
+def hf_generation_config(tokenizer, stop: tuple[int, ...], max_new_tokens: int, temperature: float):
+    """The target-side sampling of HF assisted generation, matching ours (no top-k / top-p)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=list(stop) or None,
+        pad_token_id=pad,
+    )
+
+
+def hf_assisted(target, draft, prompts: list[list[int]], config: GenerationConfig, hook: VerifyWidths) -> HFRun:
+    """HF assisted generation prompt by prompt (it supports batch size 1 only), timed, with the verify widths."""
+    run = HFRun(0, 0.0)
     for prompt in prompts:
         ids = torch.tensor([prompt], device=target.device)
+        hook.start(len(prompt))
+        hook.widths = []
         if target.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, generation_config=config)
         if target.device.type == "cuda":
             torch.cuda.synchronize()
-        wall_s += time.perf_counter() - start
-        new_tokens += out.shape[1] - ids.shape[1]
-    return {"tokens_per_s": new_tokens / wall_s, "wall_s": wall_s, "new_tokens": new_tokens}
+        run.wall_s += time.perf_counter() - start
+        run.new_tokens += out.shape[1] - ids.shape[1]
+        run.widths += hook.widths
+    return run
+
+
+def _wall_s_per_token(calls: Sequence) -> float | None:
+    """Wall seconds per emitted token, prefill included: the only split HF assisted generation allows."""
+    tokens = sum(c.new_tokens if isinstance(c, HFRun) else sum(r.new_tokens for r in c.requests) for c in calls)
+    return sum(c.wall_s for c in calls) / tokens if tokens else None
+
+
+# ------------------------------------------------------------------------------------------------------ the bench
 
 
 def run_bench(
@@ -58,102 +165,111 @@ def run_bench(
     batch_size: int,
     seed: int,
     warmup: int = 1,
+    repeats: int = 3,
     draft_rule: DraftRule = "greedy",
     tree: str | None = None,
 ) -> dict:
     """Bench JSON of DESIGN.md (`bench --json`); the tokenizer is read for its eos/pad token ids only.
 
-    tree: a token-tree spec ('4,2,2,1', 'dynamic:NODES'); adds a `tree` block (tokens_per_s, wall_s, new_tokens,
-    acceptance_rate, mean_accepted_length, nodes_per_step, verify_cost_ratio at the tree's node count, speedup over
-    target-only and speedup_vs_chain over the chain of num_draft_tokens, both wall-time ratios on the same prompts).
+    Timings (`wall_s`, `new_tokens`, `phases`) are summed over every unit and repeat; `speedup` is the median of
+    the units' paired decode-seconds-per-token ratios with its 95 % bootstrap interval `speedup_ci`.
+    tree: a token-tree spec ('4,2,2,1', 'dynamic:NODES'); adds a `tree` block (the same metrics for the tree, plus
+    speedup_vs_chain over the chain of num_draft_tokens, paired on the same units).
     """
-    eos = tokenizer.eos_token_id
+    stop = stop_token_ids(target, tokenizer)
     fast_target, fast_draft = fast_model(target), fast_model(draft)
-    ours = {
-        "num_draft_tokens": num_draft_tokens,
-        "draft_rule": draft_rule,
-        "sampling": SamplingParams(temperature=temperature),
-        "max_new_tokens": max_new_tokens,
-        "stop_token_ids": () if eos is None else (eos,),
-    }
-    hf_config = GenerationConfig(
+    hf_draft = copy.deepcopy(draft) if draft is target else draft  # the width hook must see target forwards only
+    units = full_units(prompts, batch_size)
+    ours = dict(
+        num_draft_tokens=num_draft_tokens,
+        draft_rule=draft_rule,
+        sampling=SamplingParams(temperature=temperature),
         max_new_tokens=max_new_tokens,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_k=0,
-        top_p=1.0,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-        num_assistant_tokens=num_draft_tokens,
-        num_assistant_tokens_schedule="constant",
-        assistant_confidence_threshold=0.0,  # always draft all num_assistant_tokens
+        stop_token_ids=stop,
     )
+    hf_config = hf_generation_config(tokenizer, stop, max_new_tokens, temperature)
+    hook = VerifyWidths(target)
+    arms = ["target_only", "speculative", *(["tree"] if tree is not None else []), "hf_assisted"]
 
-    def seeded() -> torch.Generator:
-        return torch.Generator(device=target.device).manual_seed(seed)
+    def run(unit: int, arm: str, repeat: int):
+        call_seed = seed + 7919 * repeat + unit  # the same seed for every arm of a pair
+        if arm == "hf_assisted":
+            torch.manual_seed(call_seed)  # HF samples from the global generator
+            return hf_assisted(target, hf_draft, units[unit], hf_config, hook)
+        gen = torch.Generator(device=target.device).manual_seed(call_seed)
+        draft_model = None if arm == "target_only" else fast_draft
+        return generate(
+            fast_target, draft_model, units[unit], generator=gen, tree=tree if arm == "tree" else None, **ours
+        ).stats
 
-    for _ in range(warmup):  # compile kernels, capture CUDA graphs, fill allocator caches
-        _run_ours(fast_target, None, prompts[:batch_size], batch_size, generator=seeded(), **ours)
-        _run_ours(fast_target, fast_draft, prompts[:batch_size], batch_size, generator=seeded(), **ours)
-        _run_hf_assisted(target, draft, prompts[:1], hf_config)
-        if tree is not None:
-            _run_ours(fast_target, fast_draft, prompts[:batch_size], batch_size, generator=seeded(), tree=tree, **ours)
-    target_only = _run_ours(fast_target, None, prompts, batch_size, generator=seeded(), **ours)
-    speculative = _run_ours(fast_target, fast_draft, prompts, batch_size, generator=seeded(), **ours)
-    tree_run = None
-    if tree is not None:
-        tree_run = _run_ours(fast_target, fast_draft, prompts, batch_size, generator=seeded(), tree=tree, **ours)
-    torch.manual_seed(seed)  # HF sampling draws from the global generator
-    hf_assisted = _run_hf_assisted(target, draft, prompts, hf_config)
-
-    context_len = max(1, round(sum(len(p) for p in prompts) / len(prompts)))
-    c, v = measure_cost_ratios(
-        fast_target, fast_draft, num_draft_tokens=num_draft_tokens, batch_size=batch_size, context_len=context_len
-    )
-    alpha, tau = speculative["acceptance_rate"], speculative["mean_accepted_length"]
-    speedup = target_only["wall_s"] / speculative["wall_s"]
-    predicted = predicted_speedup(tau, num_draft_tokens, c, v)
-    keep = ("tokens_per_s", "wall_s", "new_tokens")
-    result = {
-        "target_only": {k: target_only[k] for k in keep},
-        "speculative": {k: speculative[k] for k in keep},
-        "hf_assisted": hf_assisted,
-        "acceptance_rate": alpha,
-        "mean_accepted_length": tau,
-        "per_position_acceptance": speculative["per_position_acceptance"],
-        "cost_ratio": c,
-        "verify_cost_ratio": v,
-        "analytic_speedup": analytic_speedup(alpha, num_draft_tokens, c),
-        "predicted_speedup": predicted,
-        "speedup": speedup,
-        "efficiency": speedup / predicted,
-        "speedup_vs_hf_assisted": hf_assisted["wall_s"] / speculative["wall_s"],
+    try:
+        with fair_assistant(hf_draft, num_draft_tokens):
+            # speculative arms first: they size the target's static cache, which target-only then reuses as is
+            for arm in [a for a in arms if a != "target_only"] + ["target_only"]:
+                for _ in range(warmup):  # compile kernels, capture CUDA graphs, fill allocator caches
+                    run(longest_unit(units), arm, 0)
+            runs = paired_runs(run, units=len(units), arms=arms, repeats=repeats)
+    finally:
+        hook.handle.remove()
+    return _bench_result(runs, num_draft_tokens, tree) | {
         "settings": {
             "num_draft_tokens": num_draft_tokens,
             "draft_rule": draft_rule,
             "temperature": temperature,
             "max_new_tokens": max_new_tokens,
             "batch_size": batch_size,
-            "num_prompts": len(prompts),
+            "num_prompts": sum(len(u) for u in units),
+            "units": len(units),
+            "repeats": repeats,
             "seed": seed,
+            "stop_token_ids": list(stop),
+            "backend": backend_name(fast_target),
             "compact_model": fast_target is not target,
             "tree": tree,
-        },
+        }
     }
-    if tree_run is not None:
-        _, nodes = tree_size(parse_tree(tree))
-        _, tree_v = measure_cost_ratios(
-            fast_target, fast_draft, num_draft_tokens=nodes, batch_size=batch_size, context_len=context_len
-        )
-        result["tree"] = {
-            "tree": tree,
-            **{k: tree_run[k] for k in keep},
-            **{k: tree_run[k] for k in ("acceptance_rate", "mean_accepted_length", "nodes_per_step")},
-            "verify_cost_ratio": tree_v,
-            "speedup": target_only["wall_s"] / tree_run["wall_s"],
-            "speedup_vs_chain": speculative["wall_s"] / tree_run["wall_s"],
+
+
+def _arm(stats: GenerationStats) -> dict:
+    agg = stats.aggregate()
+    return {k: agg[k] for k in ("tokens_per_s", "wall_s", "new_tokens", "ttft_s", "tpot_s")} | {
+        "phases": stats.phases.to_dict()
+    }
+
+
+def _bench_result(runs: dict, gamma: int, tree: str | None) -> dict:
+    hf_runs = [c for unit in runs["hf_assisted"] for c in unit]
+    widths = [w for c in hf_runs for w in c.widths]
+    hf_wall, hf_tokens = sum(c.wall_s for c in hf_runs), sum(c.new_tokens for c in hf_runs)
+    vs_hf = paired_speedup(runs["hf_assisted"], runs["speculative"], _wall_s_per_token)
+    result = {
+        "target_only": _arm(pooled(runs["target_only"])),
+        "speculative": _arm(pooled(runs["speculative"])),
+        "hf_assisted": {
+            "tokens_per_s": hf_tokens / hf_wall if hf_wall else None,
+            "wall_s": hf_wall,
+            "new_tokens": hf_tokens,
+            # the median: the last step of a sequence drafts fewer when max_new_tokens cuts it short
+            "draft_tokens_per_step": statistics.median(widths) if widths else None,
+            "draft_tokens_per_step_mean": statistics.fmean(widths) if widths else None,
+            "verify_steps": len(widths),
+        },
+        **paired_metrics(runs["target_only"], runs["speculative"], gamma),
+        "speedup_vs_hf_assisted": vs_hf["speedup"],
+        "speedup_vs_hf_assisted_ci": vs_hf["speedup_ci"],
+    }
+    if tree is not None:
+        metrics = paired_metrics(runs["target_only"], runs["tree"], gamma)
+        vs_chain = paired_speedup(runs["speculative"], runs["tree"], decode_s_per_token)
+        result["tree"] = {"tree": tree, **_arm(pooled(runs["tree"])), **metrics} | {
+            "speedup_vs_chain": vs_chain["speedup"],
+            "speedup_vs_chain_ci": vs_chain["speedup_ci"],
         }
     return result
+
+
+def _ci(ci) -> str:
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "-"
 
 
 def format_bench_table(result: dict) -> str:
@@ -161,7 +277,7 @@ def format_bench_table(result: dict) -> str:
     lines = [f"{'mode':<13}{'tokens/s':>11}{'wall_s':>10}{'new_tokens':>12}"]
     for mode in ("target_only", "speculative", "hf_assisted"):
         row = result[mode]
-        lines.append(f"{mode:<13}{row['tokens_per_s']:>11.1f}{row['wall_s']:>10.3f}{row['new_tokens']:>12d}")
+        lines.append(f"{mode:<13}{row['tokens_per_s'] or 0:>11.1f}{row['wall_s']:>10.3f}{row['new_tokens']:>12d}")
     names = (
         "acceptance_rate",
         "mean_accepted_length",
@@ -171,13 +287,21 @@ def format_bench_table(result: dict) -> str:
         "predicted_speedup",
         "speedup",
         "efficiency",
+        "overhead_fraction",
         "speedup_vs_hf_assisted",
     )
     width = max(len(name) for name in names)
-    lines += [f"{name:<{width}}  {result[name]:.3f}" for name in names]
+    for name in names:
+        value = "-" if result[name] is None else f"{result[name]:.3f}"
+        ci = result.get(f"{name}_ci") if name != "speedup" else result["speedup_ci"]
+        lines.append(f"{name:<{width}}  {value}" + (f"  95% CI {_ci(ci)}" if ci else ""))
+    hf = result["hf_assisted"]
+    lines.append(f"{'hf draft tokens/step':<{width}}  {hf['draft_tokens_per_step']} (median over {hf['verify_steps']})")
     if "tree" in result:
         row = result["tree"]
-        tree_names = ("mean_accepted_length", "nodes_per_step", "verify_cost_ratio", "speedup", "speedup_vs_chain")
         lines.append(f"tree {row['tree']}: {row['tokens_per_s']:.1f} tokens/s, {row['wall_s']:.3f} s")
-        lines += [f"  {name:<{width}}{row[name]:.3f}" for name in tree_names]
+        for name in ("mean_accepted_length", "nodes_per_step", "verify_cost_ratio", "speedup", "speedup_vs_chain"):
+            value = "-" if row[name] is None else f"{row[name]:.3f}"
+            ci = row.get(f"{name}_ci")
+            lines.append(f"  {name:<{width}}{value}" + (f"  95% CI {_ci(ci)}" if ci else ""))
     return "\n".join(lines)

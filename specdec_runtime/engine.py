@@ -1,16 +1,18 @@
 """Batched speculative decoding (Leviathan et al. 2023; Chen et al. 2023) and target-only decoding in one loop.
 
-Each step: the draft proposes gamma tokens per row from its own cache, the target scores all of them in one forward,
-each row keeps its longest accepted prefix plus one correction (or bonus) token, and both caches roll back to the
-accepted length. With draft=None the same loop runs with gamma = 0 (plain sampling from the target), so A/B runs
-share every other cost. Temperature 0 output equals target-only greedy decoding token for token; at temperature > 0
-the output is distributed exactly as target-only sampling with the same warping.
+Prefill feeds every prompt token to both models and samples each row's first token from the target's prefill, as
+serving engines do (TTFT pays no draft or verify step). Each step: the draft proposes gamma tokens per row from its
+own cache, the target scores all of them in one forward, each row keeps its longest accepted prefix plus one
+correction (or bonus) token, and both caches roll back to the accepted length. Finished rows leave the batch at the
+step's host sync, so no forward computes a row with nothing left to emit. With draft=None the same loop runs with
+gamma = 0 (plain sampling from the target), so A/B runs share every other cost. Temperature 0 output equals
+target-only greedy decoding token for token; at temperature > 0 the output is distributed exactly as target-only
+sampling with the same warping. The loop times its own phases (`metrics.Phases`: prefill, draft and verify forwards,
+the rest) into `stats.phases`.
 
 With `tree` the draft proposes a token tree instead of a chain (SpecInfer, Miao et al. 2023; EAGLE-2, Li et al. 2024):
-it drafts level by level from its own cache (each level one forward under a tree mask), the target scores every node
-in one forward (position ids by depth, each node sees the prefix and its ancestors), the longest accepted path is kept
-(`tree.verify_tree_greedy` / `tree.verify_tree_sample`, as exact as the chain), and both caches are compacted to that
-path. The tree's depth plays gamma's part in the loop and the stats.
+the loop runs `tree_step.tree_step` where it would run `chain_step`, and the tree's depth plays gamma's part in the
+loop and the stats.
 
     from specdec_runtime.engine import SamplingParams, generate
     result = generate(target, draft, [[1, 2, 3], [4, 5]], num_draft_tokens=4, sampling=SamplingParams(0.7),
@@ -21,33 +23,25 @@ path. The tree's depth plays gamma's part in the loop and the stats.
 """
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from .kv import make_state
 from .llama import Llama
-from .metrics import GenerationStats, RequestStats
+from .metrics import GenerationStats, Phases, PhaseTimer, RequestStats
 from .sampling import DraftRule, SamplingParams, sample, verify, warp_logits
-from .tree import (
-    DynamicTreeShape,
-    SiblingRule,
-    Tree,
-    draft_level,
-    dynamic_tree_expand,
-    dynamic_tree_select,
-    dynamic_tree_start,
-    parse_tree,
-    tree_ancestors,
-    tree_size,
-    verify_layout,
-    verify_tree_greedy,
-    verify_tree_sample,
-)
+from .step import Decoding, Feed, State, TimedState, Verdict
+from .tree import DynamicTreeShape, Tree
+from .tree_step import TreePlan, plan_tree, tree_step
 
 __all__ = ["GenerationResult", "SamplingParams", "generate", "validate_request"]
+
+Step = Callable[[Decoding, Feed], Verdict]
+"""(decoding, feed) -> verdict for every row of the batch; both caches end at each row's accepted length."""
 
 
 @dataclass
@@ -98,37 +92,83 @@ def validate_request(
         )
 
 
-def _left_pad(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+# ------------------------------------------------------------------------------ the chain step (target-only: G = 0)
+
+
+def _draw(logits: torch.Tensor, dec: Decoding) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft token per row from logits (B, V) -> x (B,) and q (B, V), the distribution x was drawn from."""
+    if dec.rule == "greedy":  # argmax q, and q treated as one-hot (vLLM's default draft rule)
+        x = logits.argmax(-1)
+        return x, F.one_hot(x, logits.shape[-1]).float()
+    q = warp_logits(logits, dec.sampling)
+    return sample(q, dec.generator, dec.sampling.greedy), q
+
+
+def draft_chain(dec: Decoding, feed: Feed, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft gamma tokens per row after feeding its pending tokens -> x (B, G) and proposal probs q (B, G, V)."""
+    logits = dec.draft.extend(feed.draft_tokens, feed.draft_counts, last_only=True)[:, -1]  # (B, V)
+    ones = torch.ones_like(feed.draft_counts)
+    xs, qs = [], []
+    for k in range(gamma):
+        x, q = _draw(logits, dec)
+        xs.append(x)
+        qs.append(q)
+        if k + 1 < gamma:  # no forward for the last draft: if the target accepts it, the next step feeds it
+            logits = dec.draft.extend(x[:, None], ones, last_only=True)[:, -1]
+    return torch.stack(xs, 1), torch.stack(qs, 1)
+
+
+def _no_drafts(target: State, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target-only decoding's empty x (B, 0) and q (B, 0, V): `verify` then samples straight from p."""
+    B, V, dev = pending.shape[0], target.model.config.vocab_size, pending.device
+    return torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, 0, V, device=dev)
+
+
+def chain_step(dec: Decoding, feed: Feed, *, gamma: int) -> Verdict:
+    """One speculative step: draft gamma tokens, verify them in one target forward, keep each row's accepted prefix.
+
+    Both caches end at each row's accepted length.
+    """
+    x, q = draft_chain(dec, feed, gamma) if gamma else _no_drafts(dec.target, feed.target)  # (B, G), (B, G, V)
+    width = torch.full_like(feed.target, gamma + 1)
+    logits = dec.target.extend(torch.cat([feed.target[:, None], x], 1), width)  # (B, G+1, V)
+    n, nxt = verify(warp_logits(logits, dec.sampling), q, x, dec.generator, dec.sampling.greedy)  # (B,), (B,)
+    if gamma:  # target-only decoding has nothing to roll back
+        dec.target.rollback(gamma - n)  # keep pending + the n accepted drafts
+        # the draft cached its pending tokens + x_1..x_{G-1}; keep those and the accepted drafts
+        dec.draft.rollback(gamma - 1 - n.clamp(max=gamma - 1))
+    return Verdict(x, n, nxt, refeed=n == gamma)
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+
+
+def _left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged token lists -> left-padded (B, T) tokens and (B,) real counts."""
     width = max(len(r) for r in rows)
     tokens = torch.tensor([[0] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
     return tokens, torch.tensor([len(r) for r in rows], device=device)
 
 
-def _propose(state, pending, counts, active, gamma: int, sampling: SamplingParams, rule: DraftRule, generator):
-    """Draft gamma tokens per row after feeding its pending tokens -> x (B, G) and proposal probs q (B, G, V)."""
-    logits = state.extend(pending, counts, last_only=True)[:, -1]  # (B, V)
-    xs, qs = [], []
-    for k in range(gamma):
-        if rule == "greedy":  # argmax q, and q treated as one-hot (vLLM's default draft rule)
-            x = logits.argmax(-1)
-            q = F.one_hot(x, logits.shape[-1]).float()
-        else:
-            q = warp_logits(logits, sampling)
-            x = sample(q, generator, sampling.greedy)
-        xs.append(x)
-        qs.append(q)
-        if k + 1 < gamma:
-            logits = state.extend(x[:, None], active, last_only=True)[:, -1]
-    return torch.stack(xs, 1), torch.stack(qs, 1)
+def _prefill(dec: Decoding, prompts: Sequence[Sequence[int]], dev: torch.device) -> torch.Tensor:
+    """Feed every prompt token to both caches -> each row's first token (B,), sampled from the target's prefill.
+
+    The first token comes from the target's prefill as in serving engines, so TTFT pays no draft or verify step.
+    """
+    tokens, counts = _left_pad(prompts, dev)
+    logits = dec.target.extend(tokens, counts, last_only=True)[:, -1]  # (B, V)
+    first = sample(warp_logits(logits, dec.sampling), dec.generator, dec.sampling.greedy)  # target-only sampling
+    if dec.draft is not None:
+        dec.draft.extend(tokens, counts, last_only=True)
+    return first
 
 
-def _emit(x, n, nxt, stop_ids, room):
+def _emit(verdict: Verdict, stop_ids: torch.Tensor, room: torch.Tensor):
     """Row tokens of this step (accepted drafts, then the correction/bonus token), cut after a stop token and at room.
 
     Returns tokens (B, G+1), counts (B,) to keep, and (B,) whether a stop token was kept.
     """
-    G = x.shape[1]
+    x, n, nxt, G = verdict.x, verdict.n, verdict.nxt, verdict.x.shape[1]
     tokens = torch.cat([x, nxt[:, None]], 1).scatter(1, n[:, None], nxt[:, None])  # (B, G+1)
     idx = torch.arange(G + 1, device=x.device)
     is_stop = torch.isin(tokens, stop_ids) & (idx <= n[:, None])
@@ -138,165 +178,59 @@ def _emit(x, n, nxt, stop_ids, room):
 
 
 @dataclass
-class _Tally:
-    """Per-row counters, on device until the end of the call."""
+class _Output:
+    """Emitted tokens and per-row counters of every prompt (prompt order), written through the batch's prompt ids."""
 
-    steps: torch.Tensor  # (B,) verify steps taken while active
-    accepted: torch.Tensor  # (B,) accepted draft tokens
-    reached: torch.Tensor  # (B, G) steps in which draft position i was judged
-    hits: torch.Tensor  # (B, G) steps in which draft position i was accepted
+    tokens: torch.Tensor  # (prompts, max_new_tokens + G + 1): a step writes G + 1 columns, past its count junk
+    counts: torch.Tensor  # (prompts,) tokens kept
+    steps: torch.Tensor  # (prompts,) verify steps taken
+    accepted: torch.Tensor  # (prompts,) accepted draft tokens
+    reached: torch.Tensor  # (prompts, G) steps in which draft position i was judged
+    hits: torch.Tensor  # (prompts, G) steps in which draft position i was accepted
 
     @classmethod
-    def zeros(cls, B: int, G: int, device: torch.device) -> "_Tally":
-        return cls(*(torch.zeros(shape, dtype=torch.long, device=device) for shape in ((B,), (B,), (B, G), (B, G))))
+    def empty(cls, prompts: int, G: int, max_new_tokens: int, device: torch.device) -> "_Output":
+        shapes = ((prompts, max_new_tokens + G + 1), (prompts,), (prompts,), (prompts,), (prompts, G), (prompts, G))
+        return cls(*(torch.zeros(shape, dtype=torch.long, device=device) for shape in shapes))
 
-    def add(self, n: torch.Tensor, act: torch.Tensor) -> None:
+    def write(self, rows: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+        """Append tokens (B, W) to the prompts `rows` (B,); each keeps its first count[b]."""
+        cols = self.counts[rows, None] + torch.arange(tokens.shape[1], device=rows.device)  # (B, W)
+        self.tokens[rows[:, None], cols] = tokens
+        self.counts[rows] += count
+
+    def tally(self, rows: torch.Tensor, n: torch.Tensor) -> None:
+        """Count one verify step of the prompts `rows` (B,) that accepted n (B,) drafts."""
         idx = torch.arange(self.reached.shape[1], device=n.device)
-        self.steps, self.accepted = self.steps + act, self.accepted + n * act
-        self.reached = self.reached + (idx <= n[:, None]) * act[:, None]
-        self.hits = self.hits + (idx < n[:, None]) * act[:, None]
+        self.steps[rows] += 1
+        self.accepted[rows] += n
+        self.reached[rows] += (idx <= n[:, None]).long()
+        self.hits[rows] += (idx < n[:, None]).long()
 
 
-def _step(models: dict, pending, d_pending, d_counts, act, G: int, sampling, rule: DraftRule, generator):
-    """One draft-then-verify step; both caches end at each row's accepted length.
-
-    Returns x (B, G), n (B,) accepted, next (B,), and (B,) whether the last accepted draft is missing from the draft's
-    cache (it must be fed again with the next token).
-    """
-    B, dev = pending.shape[0], pending.device
-    x = torch.zeros(B, 0, dtype=torch.long, device=dev)
-    q = torch.zeros(B, 0, models["target"].model.config.vocab_size, device=dev)
-    if G:
-        x, q = _propose(models["draft"], d_pending, d_counts * act, act, G, sampling, rule, generator)
-    p = warp_logits(models["target"].extend(torch.cat([pending[:, None], x], 1), act * (G + 1)), sampling)
-    n, nxt = verify(p, q, x, generator, sampling.greedy)  # (B,), (B,)
-    models["target"].rollback((G - n) * act)  # keep pending + the n accepted drafts
-    if G:  # the draft cached its pending tokens + x_1..x_{G-1}; keep those and the accepted drafts
-        models["draft"].rollback((G - 1 - n.clamp(max=G - 1)) * act)
-    return x, n, nxt, n == G
+def _leave(dec: Decoding, feed: Feed, ids: list[int], done: list[bool]) -> tuple[Feed, list[int]]:
+    """Finished rows leave the batch: both caches and the feed keep the rows still decoding -> feed, and their ids."""
+    keep = [i for i, finished in enumerate(done) if not finished]
+    if keep and len(keep) < len(ids):  # nothing to do when all stay, and nothing left to decode when none does
+        for state in (dec.target, dec.draft):
+            if state is not None:
+                state.select(keep)
+        feed = feed.select(torch.tensor(keep, device=feed.target.device))
+    return feed, [ids[i] for i in keep]
 
 
-@dataclass(frozen=True)
-class _StaticPlan:
-    """A static tree's tensors, prepared once per generate call."""
-
-    tree: Tree
-    """The shape on the CPU: `draft_level` reads its level bookkeeping on the host."""
-    on_device: Tree
-    """The same shape on the models' device, for masks, positions and verification."""
-    ancestors: torch.Tensor
-    """(N, N) node j is node i or one of its ancestors."""
-    columns: torch.Tensor
-    """(N,) draft cache segment column of each node: nodes are forwarded in order, all levels but the last."""
-
-    @classmethod
-    def build(cls, tree: Tree, device: torch.device) -> "_StaticPlan":
-        tree, on_device = tree.to("cpu"), tree.to(device)
-        N = tree.num_nodes
-        columns = torch.where(on_device.depth < tree.max_depth, torch.arange(N, device=device), -1)
-        return cls(tree, on_device, tree_ancestors(on_device.parents), columns)
+def _choose_step(plan: TreePlan | None, G: int) -> tuple[Step, int, int]:
+    """The step the loop runs -> (step, draft tokens it verifies, cache room it needs past the emitted tokens)."""
+    if plan is not None:  # the one place the tree path branches off
+        return partial(tree_step, plan=plan), plan.nodes, plan.slack
+    # the verify forward caches G drafts past the emitted tokens until the rollback drops the rejected ones
+    return partial(chain_step, gamma=G), G, G
 
 
-def _draft_static(state, root_logits, plan: _StaticPlan, sampling, rule: SiblingRule, generator):
-    """Draft a static tree level by level -> tokens (B, N), q (B, N+1, V) or None for top_k, segment columns (N,).
-
-    q row 0 is the root's and row 1 + i node i's: the distributions their children were drawn from (leaves: zeros).
-    """
-    tree, B = plan.tree, root_logits.shape[0]
-    scores, tokens, qs, start = root_logits[:, None], [], [], 0  # scores: (B, F, V) at the F nodes of level d - 1
-    for d, size in enumerate(tree.level_sizes, 1):
-        q = scores if rule == "top_k" else warp_logits(scores, sampling)  # top_k ranks raw logits
-        qs.append(q)
-        tokens.append(draft_level(tree, d, q, rule, generator))  # (B, size)
-        if d < tree.max_depth:  # the last level's children are never drawn: no forward
-            positions = (state.lengths - 1 + d)[:, None].expand(B, size)  # the root sits at lengths - 1
-            seen = plan.ancestors[start : start + size, : start + size].expand(B, -1, -1)  # (B, size, W + size)
-            scores = state.tree_forward(tokens[-1], positions, seen)
-        start += size
-    q = None
-    if rule != "top_k":
-        q = torch.cat([*qs, torch.zeros_like(qs[0][:, :1]).expand(B, tree.level_sizes[-1], -1)], 1)
-    return torch.cat(tokens, 1), q, plan.columns
-
-
-def _grow_ancestors(ancestors: torch.Tensor, parent_col: torch.Tensor) -> torch.Tensor:
-    """Ancestors (B, W, W) of the forwarded nodes + T new nodes under parent columns (B, T), -1: the root.
-
-    Returns (B, W+T, W+T): a new node's row is its parent's plus itself.
-    """
-    B, W, T = ancestors.shape[0], ancestors.shape[1], parent_col.shape[1]
-    inherited = ancestors.gather(1, parent_col.clamp_min(0)[..., None].expand(B, T, W)) & (parent_col >= 0)[..., None]
-    own = torch.eye(T, dtype=torch.bool, device=parent_col.device).expand(B, T, T)
-    return torch.cat([F.pad(ancestors, (0, T)), torch.cat([inherited, own], -1)], 1)
-
-
-def _tree_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """Scores a dynamic tree ranks candidates by: the draft's warped log-probs, its raw log-softmax at temperature 0."""
-    return logits.float().log_softmax(-1) if sampling.greedy else warp_logits(logits, sampling).log()
-
-
-def _draft_dynamic(state, root_logits, shape: DynamicTreeShape, sampling):
-    """Draft an EAGLE-2 tree: forward each level's top_k frontier, then keep the best `nodes` candidates.
-
-    Returns the per-row Tree, tokens (B, N) and the draft cache segment column of each node (B, N), -1 for candidates
-    the draft never forwarded (a kept node has children only if it was on a frontier, so -1 marks leaves only).
-    """
-    B, K, dev = root_logits.shape[0], shape.top_k, root_logits.device
-    pool = dynamic_tree_start(_tree_logprobs(root_logits, sampling), K)
-    column = torch.full((B, K + (shape.depth - 1) * K * K), -1, device=dev)  # (B, M) segment column per candidate
-    ancestors = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)
-    for level in range(1, shape.depth):
-        W, front = ancestors.shape[1], pool.frontier  # (B, K) candidates of the newest level
-        column = column.scatter(1, front, W + torch.arange(K, device=dev).expand(B, K))
-        parent = pool.parents.gather(1, front)
-        ancestors = _grow_ancestors(ancestors, torch.where(parent >= 0, column.gather(1, parent.clamp_min(0)), -1))
-        positions = (state.lengths - 1 + level)[:, None].expand(B, K)
-        logits = state.tree_forward(pool.tokens.gather(1, front), positions, ancestors[:, W:])  # (B, K, V)
-        pool = dynamic_tree_expand(pool, _tree_logprobs(logits, sampling))
-    tree, tokens, keep = dynamic_tree_select(pool, shape.nodes)
-    return tree, tokens, column.gather(1, keep)
-
-
-def _tree_step(models: dict, pending, d_pending, d_counts, act, shape, sampling, rule: DraftRule, generator):
-    """One tree draft-then-verify step; both caches end compacted to each row's accepted path.
-
-    Returns the path's tokens x (B, D), n (B,) accepted, next (B,), and (B,) whether the last accepted node is
-    missing from the draft's cache, as `_step` does.
-    """
-    target, draft = models["target"], models["draft"]
-    B, dev = pending.shape[0], pending.device
-    root_logits = draft.extend(d_pending, d_counts * act, last_only=True)[:, -1]  # (B, V) at the pending token
-    if isinstance(shape, DynamicTreeShape):  # top_k children: verification is exact at any temperature
-        sibling: SiblingRule = "top_k"
-        tree, tokens, columns = _draft_dynamic(draft, root_logits, shape, sampling)
-        q = None
-    else:  # temperature 0 ranks by the draft's logits whatever the draft rule: its best guesses
-        sibling = "top_k" if sampling.greedy or rule == "greedy" else "sample"
-        tokens, q, columns = _draft_static(draft, root_logits, shape, sampling, sibling, generator)
-        tree = shape.on_device
-    visible, positions = verify_layout(tree, torch.zeros(B, 0, dtype=torch.bool, device=dev), target.lengths)
-    logits = target.tree_forward(torch.cat([pending[:, None], tokens], 1), positions, visible[:, 0])  # (B, N+1, V)
-    if sampling.greedy:
-        path, nxt = verify_tree_greedy(tree, tokens, logits)  # (B, D) node indices, -1 padded
-    else:
-        path, nxt = verify_tree_sample(tree, tokens, warp_logits(logits, sampling), q, sibling, generator)
-    n = (path >= 0).sum(1)
-    target.tree_commit(F.pad(path + 1, (1, 0)), (1 + n) * act)  # verify column 0 is the root, 1 + i node i
-    cols = torch.where(path >= 0, columns.expand(B, -1).gather(1, path.clamp_min(0)), -1)
-    kept = (cols >= 0).sum(1)  # the draft forwarded every path node but maybe the last
-    draft.tree_commit(cols, kept * act)
-    return tokens.gather(1, path.clamp_min(0)), n, nxt, n > kept
-
-
-def _resolve_tree(tree: str | Tree | DynamicTreeShape | None, device) -> _StaticPlan | DynamicTreeShape | None:
-    """generate's `tree` argument -> a static plan, a dynamic shape, or None for a chain."""
-    if isinstance(tree, str):
-        tree = parse_tree(tree)
-    if isinstance(tree, Tree):
-        if tree.level_sizes is None:
-            raise ValueError("tree must be one static shape for all rows (static_tree / tree_from_paths / '4,2,2,1')")
-        return _StaticPlan.build(tree, device)
-    return tree
+def _timed(dec: Decoding, timer: PhaseTimer) -> Decoding:
+    """The decode loop's view of the caches: target forwards count as verify time, draft forwards as draft time."""
+    draft = TimedState(dec.draft, timer, "draft") if dec.draft is not None else None
+    return replace(dec, target=TimedState(dec.target, timer, "verify"), draft=draft)
 
 
 def generate(
@@ -311,89 +245,85 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
     tree: str | Tree | DynamicTreeShape | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> GenerationResult:
     """Speculative decoding of a ragged batch (draft=None: target-only decoding through the same loop).
 
     tree: None drafts a chain of num_draft_tokens; '4,2,2,1' (branching per depth), a static `Tree`, 'dynamic:NODES'
     or a `DynamicTreeShape` drafts a token tree, whose depth replaces num_draft_tokens. Static trees draw siblings
     with draft_rule greedy as the draft's top-k and with sample without replacement; dynamic trees always take top-k.
+    clock: the time source of the phases and request timings, called at phase boundaries only (default: perf_counter;
+    on CUDA the phases come from CUDA events).
     """
     dev = target.device
-    shape = _resolve_tree(tree, dev)
-    nodes = num_draft_tokens  # draft tokens verified per step
-    if shape is not None:
-        if draft is None:
-            raise ValueError("a token tree needs a draft model to propose it; pass draft=... or tree=None")
-        num_draft_tokens, nodes = tree_size(shape.tree if isinstance(shape, _StaticPlan) else shape)
-    validate_request(target, draft, prompts, num_draft_tokens, draft_rule, max_new_tokens)
-    B = len(prompts)
-    G, nodes = (num_draft_tokens, nodes) if draft is not None else (0, 0)
-    slack = G  # cache room a step needs past the emitted tokens: the verify forward's, or the draft's tree segment
-    if shape is not None:
-        draft_segment = (shape.depth - 1) * shape.top_k if isinstance(shape, DynamicTreeShape) else nodes
-        slack = max(nodes + 1, draft_segment) + 2
+    plan = plan_tree(tree, dev) if tree is not None else None
+    if plan is not None and draft is None:
+        raise ValueError("a token tree needs a draft model to propose it; pass draft=... or tree=None")
+    gamma = plan.depth if plan is not None else num_draft_tokens
+    validate_request(target, draft, prompts, gamma, draft_rule, max_new_tokens)
+    G = gamma if draft is not None else 0  # draft forwards per step after the first; 0: target-only decoding
+    step, nodes, slack = _choose_step(plan, G)
+    num_prompts, wall, timer = len(prompts), clock or time.perf_counter, PhaseTimer(clock, dev)
     with torch.no_grad():
-        start = time.perf_counter()
+        start = wall()
         max_len = max(len(p) for p in prompts) + max_new_tokens + slack
-        models = {"target": make_state(target, B, max_len)}
-        if draft is not None:
-            models["draft"] = make_state(draft, B, max_len)
-        context, context_counts = _left_pad([list(p[:-1]) for p in prompts], dev)
-        if context.shape[1]:  # prefill all but the last prompt token, which each model sees as pending
-            for state in models.values():
-                state.extend(context, context_counts, last_only=True)
-
-        pending = torch.tensor([p[-1] for p in prompts], device=dev)  # (B,) last token, not yet in the target cache
-        d_pending = torch.stack([pending, pending], 1)  # (B, 2) right-aligned tokens not yet in the draft cache
-        d_counts = torch.ones(B, dtype=torch.long, device=dev)  # (B,) real tokens in d_pending
+        draft_state = make_state(draft, num_prompts, max_len) if draft is not None else None
+        dec = Decoding(make_state(target, num_prompts, max_len), draft_state, sampling, draft_rule, generator)
         stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
-        out = torch.zeros(B, max_new_tokens + G + 1, dtype=torch.long, device=dev)
-        n_out = torch.zeros(B, dtype=torch.long, device=dev)
-        active = torch.ones(B, dtype=torch.bool, device=dev)
-        tally = _Tally.zeros(B, G, dev)
-        first_s, done_s, alive, width = None, [0.0] * B, [True] * B, 1
-        while any(alive):
-            act = active.long()
-            step_args = (models, pending, d_pending[:, -width:], d_counts, act)
-            if shape is None:
-                x, n, nxt, carry = _step(*step_args, G, sampling, draft_rule, generator)
-            else:
-                x, n, nxt, carry = _tree_step(*step_args, shape, sampling, draft_rule, generator)
-            if G:  # the last accepted draft missing from the draft cache is fed again, before the next token
-                last = x.gather(1, (n - 1).clamp_min(0)[:, None])[:, 0]
-                next_pending = torch.where(carry[:, None], torch.stack([last, nxt], 1), nxt[:, None].expand(B, 2))
-                d_pending = torch.where(active[:, None], next_pending, d_pending)
-                d_counts = torch.where(active, 1 + carry.long(), d_counts)
-            pending = torch.where(active, nxt, pending)
+        out = _Output.empty(num_prompts, G, max_new_tokens, dev)
+        with timer.span("prefill"):
+            first = _prefill(dec, prompts, dev)  # (B,)
+        rows = torch.arange(num_prompts, device=dev)  # (B,) prompt index of each batch row
+        out.write(rows, first[:, None], torch.ones_like(first))
+        done = (torch.isin(first, stop_ids) | (max_new_tokens == 1)).tolist()
+        ttft_s = wall() - start
+        # per prompt: seconds from the start to its last token, and in the decode loop (0: done at its first token)
+        finished_s, decode_s = [ttft_s] * num_prompts, [0.0] * num_prompts
+        feed, ids = _leave(dec, Feed.first(first), list(range(num_prompts)), done)
+        dec, decode_start = _timed(dec, timer), wall()
+        with timer.span("decode"):
+            while ids:
+                if len(ids) < rows.shape[0]:  # rows only ever leave: a shorter list is a smaller batch
+                    rows = torch.tensor(ids, device=dev)
+                verdict = step(dec, feed)
+                feed = feed.advance(verdict, drafting=G > 0)
+                room = max_new_tokens - out.counts[rows]
+                tokens, count, stopped = _emit(verdict, stop_ids, room)  # (B, G+1), (B,), (B,)
+                out.write(rows, tokens, count)
+                out.tally(rows, verdict.n)
+                flags = torch.stack([stopped | (count >= room), feed.draft_counts == 2]).tolist()  # one host sync
+                now = wall()
+                for i, finished in zip(ids, flags[0]):
+                    if finished:
+                        finished_s[i], decode_s[i] = now - start, now - decode_start
+                feed.width = 2 if any(two and not fin for two, fin in zip(flags[1], flags[0])) else 1
+                feed, ids = _leave(dec, feed, ids, flags[0])
+        wall_s = wall() - start
 
-            tokens, count, stopped = _emit(x, n, nxt, stop_ids, max_new_tokens - n_out)
-            out.scatter_(1, n_out[:, None] + torch.arange(G + 1, device=dev), tokens)  # past count: overwritten later
-            n_out = n_out + count * act
-            tally.add(n, act)
-            active = active & ~stopped & (n_out < max_new_tokens)
-
-            flags = torch.cat([active, (d_counts == 2).any()[None]]).tolist()  # the step's one host sync
-            now = time.perf_counter() - start
-            first_s = now if first_s is None else first_s
-            done_s = [now if was and not still else t for was, still, t in zip(alive, flags, done_s)]
-            alive, width = flags[:B], 2 if flags[B] else 1
-        wall_s = time.perf_counter() - start
-
-    lengths = n_out.tolist()
-    prefilled = (context_counts > 0).long().tolist()
-    stats = _stats(tally, lengths, prefilled, G, nodes, draft is not None, first_s, done_s, wall_s)
-    return GenerationResult(tokens=[row[:k] for row, k in zip(out.tolist(), lengths)], stats=stats)
+    lengths = out.counts.tolist()
+    timing = [(ttft_s, done_s, dec_s) for done_s, dec_s in zip(finished_s, decode_s)]
+    stats = _stats(out, lengths, timing, wall_s, timer.phases(), gamma=G, nodes=nodes, has_draft=draft is not None)
+    return GenerationResult(tokens=[row[:k] for row, k in zip(out.tokens.tolist(), lengths)], stats=stats)
 
 
 def _stats(
-    tally: _Tally, lengths, prefilled, G: int, nodes: int, has_draft: bool, first_s, done_s, wall_s
+    out: _Output,
+    lengths: list[int],
+    timing: list[tuple[float, float, float]],
+    wall_s: float,
+    phases: Phases,
+    *,
+    gamma: int,
+    nodes: int,
+    has_draft: bool,
 ) -> GenerationStats:
     """Device counters -> per-request stats; batched forward counts follow from the longest-running row.
 
-    A step drafts `nodes` tokens (gamma for a chain, the tree's nodes) in G draft forwards (the pending tokens, then
-    one per drafted level but the last).
+    Every request takes part in the prefill (one forward of each model); then a step drafts `nodes` tokens (gamma for
+    a chain, the tree's nodes) in gamma draft forwards (the pending tokens, then one per drafted token or level but
+    the last). timing: per request (ttft_s, wall_s, decode_s).
     """
-    columns = zip(tally.steps.tolist(), tally.accepted.tolist(), tally.reached.tolist(), tally.hits.tolist())
+    columns = zip(out.steps.tolist(), out.accepted.tolist(), out.reached.tolist(), out.hits.tolist())
     requests = [
         RequestStats(
             new_tokens=length,
@@ -402,17 +332,19 @@ def _stats(
             accepted=a,
             position_reached=r,
             position_accepted=h,
-            target_forwards=s + pre,
-            draft_forwards=(s * G + pre) * has_draft,
-            ttft_s=first_s,
+            target_forwards=s + 1,
+            draft_forwards=(s * gamma + 1) * has_draft,
+            ttft_s=ttft,
             wall_s=done,
+            decode_s=decode,
         )
-        for (s, a, r, h), length, pre, done in zip(columns, lengths, prefilled, done_s)
+        for (s, a, r, h), length, (ttft, done, decode) in zip(columns, lengths, timing)
     ]
-    steps, prefill = max(r.verify_steps for r in requests), int(any(prefilled))
+    steps = max(r.verify_steps for r in requests)
     return GenerationStats(
         requests=requests,
         wall_s=wall_s,
-        target_forwards=steps + prefill,
-        draft_forwards=(steps * G + prefill) * has_draft,
+        target_forwards=steps + 1,
+        draft_forwards=(steps * gamma + 1) * has_draft,
+        phases=phases,
     )

@@ -8,7 +8,8 @@ The engine talks to a model only through a state object with these methods:
       an uncommitted segment of W columns after the row's real tokens; each sees those real tokens and the segment
       columns flagged in `seen` (its ancestors and itself);
   tree_commit(cols (B, K), counts (B,)): keep each row's first counts[b] segment columns listed in cols (the accepted
-      path, in order) right after its real tokens, and drop the rest of the segment.
+      path, in order) right after its real tokens, and drop the rest of the segment;
+  select(keep: list of row indices): keep only those rows, in that order (finished rows leave the batch).
 `HFState` serves any HF causal LM (or anything with the same forward keywords, `config.vocab_size`,
 `config.max_position_embeddings` and `device`); `llama.StaticState` serves the compact model's per-row static cache.
 """
@@ -59,8 +60,18 @@ def hole_layout(counts: torch.Tensor, lengths: torch.Tensor, width: int) -> tupl
     return valid, positions
 
 
+def drop_last_real(mask: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """Real-column mask (B, S) without each row's last drop[b] real columns."""
+    real_after = mask.flip(1).long().cumsum(1).flip(1)  # (B, S): real tokens at or after each column
+    return mask & (real_after > drop[:, None])
+
+
 class HFState:
-    """Dynamic cache shared by all rows column-wise; holes (padding, rejected drafts) are masked out per row."""
+    """Dynamic cache shared by all rows column-wise; holes (padding, rejected drafts) are masked out per row.
+
+    After every rollback, commit and select each row's real columns sit right-aligned (holes only on the left) and the
+    cache is exactly as wide as the longest row: rejected columns never pile up, whatever the other rows accept.
+    """
 
     def __init__(self, model: torch.nn.Module, batch_size: int):
         self.model = model
@@ -76,15 +87,35 @@ class HFState:
         return hf_forward(self.model, self.cache, tokens, positions, self.mask.long(), int(last_only))
 
     def rollback(self, drop: torch.Tensor) -> None:
-        real_after = self.mask.flip(1).long().cumsum(1).flip(1)  # (B, S): real tokens at or after each column
-        self.mask = self.mask & (real_after > drop[:, None])
+        self.mask = drop_last_real(self.mask, drop)
         self.lengths = self.lengths - drop
-        # Crop only the columns that are holes in every row; holes inside the kept span stay masked.
-        used = self.mask.any(0)  # (S,)
-        trailing = int(used.flip(0).long().argmax()) if bool(used.any()) else used.shape[0]
-        if trailing:
-            self.cache.crop(-trailing)  # negative: number of columns to remove
-            self.mask = self.mask[:, : self.mask.shape[1] - trailing]
+        self._compact()
+
+    def select(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask, self.lengths = self.mask[index], self.lengths[index]
+        self._compact()  # the rows that left may have been the longest
+
+    def _compact(self) -> None:
+        """Right-align each row's real columns (a stable move, so their order stays) and cut the unused left ones."""
+        S = self.mask.shape[1]
+        real = self.mask.sum(1)  # (B,)
+        aligned = torch.arange(S, device=real.device) >= (S - real)[:, None]  # (B, S) the compact layout
+        width, ragged = torch.stack([real.max(), (aligned != self.mask).any()]).tolist()  # one host sync
+        if ragged:
+            order = self.mask.long().argsort(dim=1, stable=True)  # (B, S) holes first, then real columns in order
+            self._map_columns(lambda kv: kv.gather(2, order[:, None, :, None].expand_as(kv)))
+            self.mask = aligned
+        if width < S:
+            self._map_columns(lambda kv: kv[:, :, S - width :])
+            self.mask = self.mask[:, S - width :]
+
+    def _map_columns(self, fn) -> None:
+        """Apply fn to every layer's keys and values (B, H, S, D)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.numel():
+                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
 
     def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         B, T = tokens.shape
@@ -108,7 +139,7 @@ class HFState:
         self.mask = torch.cat([self.mask, torch.arange(K, device=cols.device) < counts[:, None]], 1)
         self.lengths = self.lengths + counts
         self.segment = 0
-        self.rollback(torch.zeros_like(counts))  # crop columns that are holes in every row
+        self._compact()  # rows that kept fewer path columns than others have holes at their end
 
 
 def make_state(model: torch.nn.Module, batch_size: int, max_len: int) -> "HFState | StaticState":

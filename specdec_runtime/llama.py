@@ -3,7 +3,8 @@
 `Llama.from_hf(hf_model)` takes the weights of an HF `LlamaForCausalLM` (RoPE incl. linear / llama3 scaling, GQA,
 RMSNorm, SwiGLU, tied embeddings). Each row writes its keys and values at its own positions, so rolling back rejected
 draft tokens is just lowering the row's length: stale slots past it are overwritten before any query can see them.
-On CUDA the fixed-shape decode and verify steps replay as CUDA graphs; prefill runs eagerly.
+On CUDA the fixed-shape decode and verify steps replay as CUDA graphs; prefill runs eagerly. A batch runs in the
+first rows of the cache (finished rows leave it), and a graph per power-of-two row count serves every batch up to it.
 """
 
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.attention_bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.attention_bias)
-        self.k_cache: torch.Tensor | None = None  # (B, S, Hkv, D)
+        self.k_cache: torch.Tensor | None = None  # (rows, S, Hkv, D): a batch of B <= rows uses the first B
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
@@ -77,9 +78,8 @@ class Attention(nn.Module):
         rows = torch.arange(B, device=x.device)[:, None]
         self.k_cache[rows, slots] = k  # per-row slots (B, T)
         self.v_cache[rows, slots] = v
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), self._heads(self.k_cache), self._heads(self.v_cache), attn_mask=mask
-        )  # (B, H, T, D)
+        k_all, v_all = self._heads(self.k_cache[:B]), self._heads(self.v_cache[:B])
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def _heads(self, cache: torch.Tensor) -> torch.Tensor:
@@ -126,9 +126,9 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # (D/2,)
         self.attention_scaling = attention_scaling
-        self.cache_shape: tuple[int, int] | None = None  # (B, S) of the allocated static cache
+        self.cache_shape: tuple[int, int] | None = None  # (rows, S) of the allocated static cache
         self.use_graphs = True  # False: eager CUDA decode/verify steps (to measure what the graphs buy)
-        self.graphs: dict[int, tuple] = {}  # T -> (graph, static inputs, static logits), valid for cache_shape
+        self.graphs: dict[int, dict[int, tuple]] = {}  # T -> rows -> (graph, inputs, logits), valid for cache_shape
         self.graph_pool = None
 
     @property
@@ -177,7 +177,7 @@ class Llama(nn.Module):
 
     def setup_cache(self, batch_size: int, max_len: int) -> int:
         """Allocate (or keep, when large enough) the static cache; returns its length S, trash slot included."""
-        if self.cache_shape is not None and self.cache_shape[0] == batch_size and self.cache_shape[1] > max_len:
+        if self.cache_shape is not None and self.cache_shape[0] >= batch_size and self.cache_shape[1] > max_len:
             return self.cache_shape[1]
         S = -(-(max_len + 1) // 16) * 16  # +1 trash slot; rounded so later calls with similar lengths reuse it
         shape = (batch_size, S, self.args.n_kv_heads, self.args.head_dim)
@@ -210,19 +210,28 @@ class Llama(nn.Module):
         """Forward for a fixed-shape decode/verify step, replayed as a CUDA graph on CUDA."""
         if self.device.type != "cuda" or not self.use_graphs:
             return self(tokens, input_pos, slots, mask)
-        T = tokens.shape[1]
-        if T not in self.graphs:
-            self.graphs[T] = self._capture(tokens, input_pos, slots, mask)
-        graph, inputs, logits = self.graphs[T]
-        for buffer, value in zip(inputs, (tokens, input_pos, slots, mask)):
-            buffer.copy_(value)
+        (B, T), S = tokens.shape, self.cache_shape[1]
+        # One graph per power-of-two row count (as serving engines bucket batch sizes): a shrinking batch replays
+        # the smallest graph that fits instead of capturing a new one per size; the rows past B are padding.
+        rows = min(1 << (B - 1).bit_length(), self.cache_shape[0])
+        by_rows = self.graphs.setdefault(T, {})
+        if rows not in by_rows:
+            by_rows[rows] = self._capture(rows, T)
+        graph, (tokens_in, pos_in, slots_in, mask_in), logits = by_rows[rows]
+        tokens_in[:B], pos_in[:B], slots_in[:B], mask_in[:B] = tokens, input_pos, slots, mask
+        slots_in[B:], mask_in[B:] = S - 1, True  # padding rows write only the trash slot; their logits are dropped
         graph.replay()
-        return logits
+        return logits[:B]
 
-    def _capture(self, tokens, input_pos, slots, mask) -> tuple:
-        S = self.cache_shape[1]
+    def _capture(self, rows: int, T: int) -> tuple:
+        S, dev = self.cache_shape[1], self.device
         # Warm-up and capture write only into the trash slot, so the live cache is untouched until the real replay.
-        inputs = (tokens.clone(), input_pos.clone(), torch.full_like(slots, S - 1), torch.ones_like(mask))
+        inputs = (
+            torch.zeros(rows, T, dtype=torch.long, device=dev),
+            torch.zeros(rows, T, dtype=torch.long, device=dev),
+            torch.full((rows, T), S - 1, dtype=torch.long, device=dev),
+            torch.ones(rows, 1, T, S, dtype=torch.bool, device=dev),
+        )
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -261,6 +270,17 @@ class StaticState:
 
     def rollback(self, drop: torch.Tensor) -> None:
         self.lengths = self.lengths - drop
+
+    def select(self, keep: list[int]) -> None:
+        """Move the kept rows to the front of the cache, in place (the CUDA graphs hold the cache's addresses)."""
+        moved = [i for i, src in enumerate(keep) if i != src]  # keeping a prefix moves nothing
+        if moved:
+            dst = torch.tensor(moved, device=self.lengths.device)
+            src = torch.tensor([keep[i] for i in moved], device=self.lengths.device)
+            for layer in self.model.layers:
+                for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
+                    cache[dst] = cache[src]  # the right side is gathered first: overlapping moves are safe
+        self.lengths = self.lengths[torch.tensor(keep, device=self.lengths.device)]
 
     def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """Tree nodes take the slots after the segment (their own slots, siblings share a rope position)."""

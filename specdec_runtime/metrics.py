@@ -1,4 +1,5 @@
-"""Speculative decoding metrics, named as in DESIGN.md: counters per request, aggregates, cost ratios, speedup models.
+"""Speculative decoding metrics, named as in DESIGN.md: counters per request, in-run phases, aggregates, cost ratios,
+speedup models.
 
 `expected_acceptance` is the offline estimate the distillation trainer logs; it warps logits with the runtime's own
 `warp_logits`, so the estimate and the measured `acceptance_rate` describe the same distributions.
@@ -6,7 +7,9 @@
 
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -16,6 +19,80 @@ from .sampling import DraftRule, SamplingParams, warp_logits
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
+
+
+@dataclass
+class Phases:
+    """Where a generate call's time went, timed inside its own loop (target-only and speculative runs alike)."""
+
+    prefill_s: float = 0.0
+    """Prefill forwards of the target (and draft), the first token included: it comes from the target's prefill."""
+    draft_s: float = 0.0
+    """Draft forwards during decoding."""
+    verify_s: float = 0.0
+    """Target forwards during decoding: verify steps, or target-only decoding's decode steps."""
+    other_s: float = 0.0
+    """The rest of the decode loop: sampling, accept/reject, cache rollback and compaction, bookkeeping, host syncs."""
+    draft_forwards: int = 0
+    """Batched draft forward calls during decoding."""
+    verify_forwards: int = 0
+    """Batched target forward calls during decoding (= decode steps of the longest-running row)."""
+
+    @property
+    def decode_s(self) -> float:
+        return self.draft_s + self.verify_s + self.other_s
+
+    def __add__(self, other: "Phases") -> "Phases":
+        return Phases(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def to_dict(self) -> dict:
+        """The phases under their JSON names, decode_s included."""
+        return {**asdict(self), "decode_s": self.decode_s}
+
+
+class PhaseTimer:
+    """Spans of a generate call's phases -> `Phases`.
+
+    clock: called at phase boundaries only (an injected clock makes the phases exact in tests). Without one, CPU runs
+    read perf_counter and CUDA runs record event pairs on the current stream, resolved once in `phases()`: a
+    synchronize per forward would serialise the host and the GPU and time the sync instead of the loop.
+    """
+
+    def __init__(self, clock: Callable[[], float] | None, device: torch.device):
+        self.events = clock is None and device.type == "cuda"
+        self.clock = clock or time.perf_counter
+        self.spans: dict[str, list[tuple]] = {"prefill": [], "draft": [], "verify": [], "decode": []}
+
+    def _stamp(self):
+        if not self.events:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        start = self._stamp()
+        yield
+        self.spans[phase].append((start, self._stamp()))
+
+    def _seconds(self, phase: str) -> float:
+        if self.events:
+            return sum((a.elapsed_time(b) for a, b in self.spans[phase]), 0.0) / 1000  # ms -> s
+        return sum((b - a for a, b in self.spans[phase]), 0.0)
+
+    def phases(self) -> Phases:
+        if self.events:
+            torch.cuda.synchronize()
+        draft, verify = self._seconds("draft"), self._seconds("verify")
+        return Phases(
+            prefill_s=self._seconds("prefill"),
+            draft_s=draft,
+            verify_s=verify,
+            other_s=self._seconds("decode") - draft - verify,
+            draft_forwards=len(self.spans["draft"]),
+            verify_forwards=len(self.spans["verify"]),
+        )
 
 
 @dataclass
@@ -39,9 +116,11 @@ class RequestStats:
     draft_forwards: int
     """Draft forward passes this request took part in (prefill included)."""
     ttft_s: float
-    """Seconds from the call's start to this request's first token."""
+    """Seconds from the call's start to this request's first token (the target's prefill, both prefills done)."""
     wall_s: float
     """Seconds from the call's start to this request's last token."""
+    decode_s: float = 0.0
+    """Seconds of the decode loop while this request was in the batch (0 when its first token was its last)."""
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -78,6 +157,7 @@ class RequestStats:
             "tokens_per_s": _ratio(self.new_tokens, self.wall_s),
             "new_tokens": self.new_tokens,
             "wall_s": self.wall_s,
+            "decode_s": self.decode_s,
         }
 
 
@@ -93,6 +173,8 @@ class GenerationStats:
     """Batched target forward calls (a batch of B rows in one call counts once)."""
     draft_forwards: int
     """Batched draft forward calls."""
+    phases: Phases = field(default_factory=Phases)
+    """Time per phase inside the loop(s), summed over calls."""
 
     def aggregate(self) -> dict:
         """Metrics over all requests under the DESIGN.md names; ratios are pooled (sums over sums)."""
@@ -114,6 +196,7 @@ class GenerationStats:
             "tokens_per_s": _ratio(new_tokens, self.wall_s),
             "new_tokens": new_tokens,
             "wall_s": self.wall_s,
+            "decode_s": self.phases.decode_s,
         }
 
 
@@ -124,6 +207,7 @@ def merge_stats(parts: list[GenerationStats]) -> GenerationStats:
         wall_s=sum(part.wall_s for part in parts),
         target_forwards=sum(part.target_forwards for part in parts),
         draft_forwards=sum(part.draft_forwards for part in parts),
+        phases=sum((part.phases for part in parts), Phases()),
     )
 
 
@@ -157,6 +241,30 @@ def analytic_speedup(alpha: float, gamma: int, c: float) -> float:
 def predicted_speedup(tau: float, gamma: int, c: float, v: float) -> float:
     """Speedup the model forwards alone allow: tokens per step over the step's cost in target decode steps."""
     return tau / (gamma * c + v)
+
+
+def cost_ratios(spec: Phases, target_only: Phases, gamma: int, tokens_per_step: float) -> dict[str, float | None]:
+    """In-run cost ratios of a speculative run against the target-only run on the same prompts and batch size.
+
+    The unit is the target-only run's decode step: its decode seconds per step, forward and everything around it.
+    c = one draft forward / that step; v = one verify forward / that step; predicted_speedup = tokens_per_step /
+    (gamma c + v) = tokens per step x step time / (a step's draft + verify time), with gamma draft forwards per
+    verify step as both the chain and the tree (gamma = depth) run them; overhead_fraction = other_s / decode_s of the
+    speculative run. So speedup / predicted_speedup = 1 - overhead_fraction when both runs emit tokens_per_step per
+    step: the share of the forwards' promise the loop keeps, at most 1. tokens_per_step: decode tokens emitted per
+    verify step (mean_accepted_length, or a run's decode tokens over its verify steps).
+    """
+    step = _ratio(target_only.decode_s, target_only.verify_forwards)  # the target-only decode step, all of it
+    draft, verify = _ratio(spec.draft_s, spec.draft_forwards), _ratio(spec.verify_s, spec.verify_forwards)
+    if not step or draft is None or verify is None:  # a run without decode steps has no costs to compare
+        return dict.fromkeys(("cost_ratio", "verify_cost_ratio", "predicted_speedup", "overhead_fraction"))
+    c, v = draft / step, verify / step
+    return {
+        "cost_ratio": c,
+        "verify_cost_ratio": v,
+        "predicted_speedup": _ratio(tokens_per_step, gamma * c + v),
+        "overhead_fraction": _ratio(spec.other_s, spec.decode_s),
+    }
 
 
 def _median_step_s(step, warmup: int, iters: int, cuda: bool) -> float:

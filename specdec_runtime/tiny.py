@@ -6,11 +6,11 @@ chat template) without network access or a real checkpoint. Its text is noise; i
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from specdec_runtime import atomic
 
 TINY_MODELS = {
     "tiny-llama": dict(
@@ -52,7 +52,7 @@ def byte_level_tokenizer():
 
 
 def build_tiny_model(name: str, out: Path, seed: int = 0) -> Path:
-    """Write the random model `name` to `out` (atomically: temp folder + rename) and return `out`."""
+    """Write the random model `name` to `out` (atomically, `atomic.staged_cache_dir`) and return `out`."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = byte_level_tokenizer()
@@ -67,14 +67,7 @@ def build_tiny_model(name: str, out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
+    with atomic.staged_cache_dir(out) as tmp:  # concurrent ranks build the same model: the first to finish wins
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():
-            raise
     return out

@@ -81,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--repeats", type=int, default=3, help="timed ABBA repeats of the paired A/B (default 3)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", default=None, help="also write the results as JSON here")
 
@@ -160,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from specdec_runtime.engine import SamplingParams, generate
-    from specdec_runtime.loading import check_vocab_compatible, load_model
+    from specdec_runtime.loading import check_vocab_compatible, load_model, stop_token_ids
     from specdec_runtime.tree import parse_tree
 
     if args.tree:
@@ -177,7 +178,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     result = generate(target, draft, [prompt], num_draft_tokens=args.num_draft_tokens, draft_rule=args.draft_rule,
                       sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-                      max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids(tokenizer), generator=generator,
+                      max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(target, tokenizer),
+                      generator=generator,
                       tree=args.tree)
     wall = time.perf_counter() - start
     print(tokenizer.decode(result.tokens[0], skip_special_tokens=True))
@@ -215,7 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     result = run_bench(target, draft, tokenizer, prompts, num_draft_tokens=args.num_draft_tokens,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                       seed=args.seed, tree=args.tree)
+                       seed=args.seed, repeats=args.repeats, tree=args.tree)
     result.update(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(prompts))
     print(format_bench_table(result))
     if args.json:
@@ -334,10 +336,11 @@ def cmd_run(args: argparse.Namespace) -> None:
              f"exported draft: {result['exported']}",
              f"serving config: {result['serving']}  ({result['summary']})"]
     if rec["enabled"]:
-        m = rec["measured"]
+        m = rec["confirmation"]
         lines.append(f"promoted:       {rec['name']} at num_draft_tokens={rec['num_draft_tokens']}: acceptance_rate "
                      f"{m['acceptance_rate']:.2f}, mean_accepted_length {m['mean_accepted_length']:.2f}, speedup "
-                     f"{m['speedup']:.2f}x")
+                     f"{m['speedup']:.2f}x (95% CI {m['speedup_ci'][0]:.2f}-{m['speedup_ci'][1]:.2f}, "
+                     "confirmation split)")
     else:
         lines.append(f"not enabled:    {rec['reason']}")
     print("\n".join(lines))
@@ -350,10 +353,6 @@ def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     return list(ids)
-
-
-def stop_ids(tokenizer) -> tuple[int, ...]:
-    return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
 
 
 COMMANDS = {"config": cmd_config, "generate": cmd_generate, "bench": cmd_bench, "data": cmd_data,

@@ -28,6 +28,7 @@ import yaml
 from distill.config import DataConfig, DistillConfig
 from distill.students import DraftConfig
 from eval.config import EvalConfig, ServingConfig
+from specdec_runtime import atomic
 from train.config import TrackingConfig, TrainConfig
 
 
@@ -56,7 +57,7 @@ class CandidateConfig:
     overrides: dict[str, Any] = field(default_factory=dict)
     """Dotted `draft.*`, `distill.*` or `train.*` keys applied on top of the root config for this candidate."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise ValueError(f"candidate name {self.name!r} must be non-empty and use only letters, digits, - _ .")
         bad = [k for k in self.overrides if k.split(".")[0] not in ("draft", "distill", "train")]
@@ -89,7 +90,7 @@ class RootConfig:
     candidates: list[CandidateConfig] = field(default_factory=list)
     """Candidate drafts to distill and compare; empty = one candidate named `draft` from the sections above."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         names = [c.name for c in self.candidates]
         if len(set(names)) != len(names):
             raise ValueError(f"candidates: duplicate names in {names}")
@@ -128,8 +129,9 @@ def _type_name(tp: Any) -> str:
 def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"unknown key {where}{key!r}.{hint} Valid keys{' of ' + where[:-1] if where else ''}: "
-                       f"{', '.join(valid)}")
+    return ConfigError(
+        f"unknown key {where}{key!r}.{hint} Valid keys{' of ' + where[:-1] if where else ''}: {', '.join(valid)}"
+    )
 
 
 def _coerce(value: Any, tp: Any, path: str) -> Any:
@@ -195,15 +197,12 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
         if key not in valid:
             raise _unknown_key(str(key), valid, where)
         kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
-    obj = cls(**kwargs)
-    if hasattr(obj, "validate"):
-        try:
-            obj.validate()
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(f"{where.rstrip('.') or 'config'}: {e}") from None
-    return obj
+    try:
+        return cls(**kwargs)  # each section checks its ranges in __post_init__
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: {e}") from None
 
 
 def to_dict(obj: Any) -> Any:
@@ -308,9 +307,5 @@ def dump_yaml(cfg: RootConfig) -> str:
 
 
 def save_resolved(cfg: RootConfig, path: str | Path) -> None:
-    """Write the resolved config atomically (temp file + rename), so a crash never leaves half a config."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(dump_yaml(cfg))
-    tmp.replace(path)
+    """Write the resolved config atomically, so a crash never leaves half a config."""
+    atomic.write_text(Path(path), dump_yaml(cfg))

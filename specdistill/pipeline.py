@@ -11,12 +11,39 @@ single-process stages (export, promote) run on rank 0 only.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from specdistill.config import RootConfig, candidate_config, candidate_names, save_resolved, to_dict
+from specdistill.config import RootConfig, candidate_config, candidate_names, dump_yaml, save_resolved, to_dict
+
+if TYPE_CHECKING:  # train/ is imported by the stages that need it, so `specdistill --help` stays fast
+    from train.loop import CandidateRun
+
+# Config sections that decide what a candidate trains; their fingerprint marks a finished candidate (DONE).
+TRAINING_SECTIONS = ("seed", "target", "draft", "data", "distill", "train")
+# Keys that may change between a checkpoint and its resume (more steps, other cadences, another device).
+RESUMABLE_CHANGES = {
+    "target.device",
+    "data.batch_size",
+    "data.shard_size",
+    "train.max_steps",
+    "train.epochs",
+    "train.eval_every",
+    "train.save_every",
+    "train.keep_last",
+    "train.log_every",
+    "train.resume",
+    "train.mixed_precision",
+    "train.shard_teacher",
+    "distill.chunked_head",
+}
+# Keys added after runs were marked DONE that change how a run executes, not what it trains: left out of the DONE
+# fingerprint, so finished runs stay finished.
+EXECUTION_ONLY = {"train.shard_teacher", "distill.chunked_head"}
 
 
 @dataclass
@@ -61,9 +88,13 @@ def load_target(cfg: RootConfig, dist: Dist):
     from specdec_runtime.loading import load_model, model_identity
 
     with dist.state.main_process_first():  # rank 0 converts / builds a cached checkpoint once; the others read it
-        model, tokenizer = load_model(cfg.target.model, dtype=cfg.target.dtype, device=dist.device,
-                                      trust_remote_code=cfg.target.trust_remote_code,
-                                      allow_pickle=cfg.target.allow_pickle)
+        model, tokenizer = load_model(
+            cfg.target.model,
+            dtype=cfg.target.dtype,
+            device=dist.device,
+            trust_remote_code=cfg.target.trust_remote_code,
+            allow_pickle=cfg.target.allow_pickle,
+        )
         return model, tokenizer, model_identity(cfg.target.model)
 
 
@@ -76,14 +107,105 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
     from distill.data import generate_teacher_data
 
     teacher, tokenizer, teacher_id = target or load_target(cfg, dist)
-    return generate_teacher_data(teacher, tokenizer, cfg.data, Path(cfg.output_dir) / "data", teacher_id=teacher_id,
-                                 seed=cfg.seed, rank=dist.rank, world_size=dist.world_size, barrier=dist.barrier)
+    return generate_teacher_data(
+        teacher,
+        tokenizer,
+        cfg.data,
+        Path(cfg.output_dir) / "data",
+        teacher_id=teacher_id,
+        seed=cfg.seed,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        barrier=dist.barrier,
+    )
 
 
 def stage_distill(cfg: RootConfig, dist: Dist, teacher_data) -> dict[str, Path]:
-    from train.loop import run_distill
-
     return run_distill(cfg, teacher_data)
+
+
+def run_distill(cfg: RootConfig, teacher_data) -> dict[str, Path]:
+    """Distill every candidate in turn; returns {candidate name: its best/ folder (HF format)}.
+
+    A candidate whose folder already holds best/ and a DONE marker for the same training settings is skipped.
+    """
+    from accelerate import PartialState
+
+    from train.checkpoint import is_done
+
+    best = {}
+    for name in candidate_names(cfg):
+        resolved = candidate_config(cfg, name) if cfg.candidates else cfg
+        cand = Path(resolved.output_dir) / "candidates" / name
+        if is_done(cand, training_fingerprint(resolved)):
+            PartialState().print(f"{name}: already distilled with these settings ({cand / 'best'}); skipping")
+        else:
+            distill_candidate(resolved, name, teacher_data)
+        best[name] = cand / "best"
+    return best
+
+
+def distill_candidate(cfg: RootConfig, name: str, teacher_data, *, teacher=None, tokenizer=None) -> Path:
+    """Distill candidate `name` and return its folder <output_dir>/candidates/<name>/.
+
+    `cfg` is the root config (the candidate's overrides are applied here) or an already resolved candidate config.
+    `teacher`, `tokenizer`: an already loaded target to reuse; loaded from `cfg.target` when None.
+    """
+    from train.loop import distill
+
+    return distill(candidate_run(cfg, name), teacher_data, teacher=teacher, tokenizer=tokenizer)
+
+
+def candidate_run(cfg: RootConfig, name: str) -> CandidateRun:
+    """Candidate `name` as the recipe takes it: its sections with its overrides applied, its folder, and the
+    resolved config with the DONE fingerprint and the resume check made from it."""
+    from train.loop import CandidateRun
+
+    cfg = candidate_config(cfg, name) if cfg.candidates else cfg
+    out = Path(cfg.output_dir)
+    return CandidateRun(
+        name=name,
+        out_dir=out / "candidates" / name,
+        run_name=f"{out.name}-{name}",
+        seed=cfg.seed,
+        target=cfg.target,
+        draft=cfg.draft,
+        data=cfg.data,
+        distill=cfg.distill,
+        train=cfg.train,
+        tracking=cfg.tracking,
+        resolved=to_dict(cfg),
+        resolved_yaml=dump_yaml(cfg),
+        fingerprint=training_fingerprint(cfg),
+        config_drift=functools.partial(config_drift, current=to_dict(cfg)),
+    )
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()} or {prefix: {}}
+
+
+def training_fingerprint(cfg: RootConfig) -> str:
+    """Hash of the sections that decide what a candidate trains (not eval, serving, tracking or output_dir)."""
+    data = to_dict(cfg)
+    for key in EXECUTION_ONLY:
+        section, name = key.split(".")
+        data[section].pop(name, None)
+    blob = json.dumps({k: data[k] for k in TRAINING_SECTIONS}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def config_drift(saved: dict, current: dict) -> list[str]:
+    """Dotted keys whose values differ between a checkpoint's config and the current one and forbid a resume."""
+    old = _flatten({k: saved.get(k) for k in TRAINING_SECTIONS})
+    new = _flatten({k: current.get(k) for k in TRAINING_SECTIONS})
+    return sorted(
+        k.rstrip(".")
+        for k in old.keys() | new.keys()
+        if old.get(k) != new.get(k) and k.rstrip(".") not in RESUMABLE_CHANGES
+    )
 
 
 def eval_prompts(source: str, tokenizer, limit: int, *, trained_on=None, log=print):
@@ -98,13 +220,17 @@ def eval_prompts(source: str, tokenizer, limit: int, *, trained_on=None, log=pri
     if trained:
         held_out = without_prompts(records, trained)
         if len(held_out) < len(records):
-            log(f"eval: left out {len(records) - len(held_out)} of {len(records)} prompts of {source} that the drafts "
-                f"were trained on (data.prompts={trained_on.prompts})")
+            log(
+                f"eval: left out {len(records) - len(held_out)} of {len(records)} prompts of {source} that the drafts "
+                f"were trained on (data.prompts={trained_on.prompts})"
+            )
         records = held_out
     if not records:
-        raise ValueError(f"the eval prompt set {source!r} has no prompt the drafts were not trained on; pass "
-                         "held-out prompts (eval.prompts, e.g. builtin:eval)")
-    records = records[:limit or None]
+        raise ValueError(
+            f"the eval prompt set {source!r} has no prompt the drafts were not trained on; pass "
+            "held-out prompts (eval.prompts, e.g. builtin:eval)"
+        )
+    records = records[: limit or None]
     return [EvalPrompt(id=r.id, category=r.category, ids=render_chat(tokenizer, r.messages)) for r in records]
 
 
@@ -112,21 +238,33 @@ def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target
     """Sweep every candidate against target-only decoding; write report.json/md/html; returns report.json.
 
     `trained_on`: the candidates' DataConfig; the prompts they were trained on are left out of the eval prompts."""
+    from eval.recommend import recommend
     from eval.report import write_reports
-    from eval.sweep import evaluate, recommend, save_report
+    from eval.sweep import evaluate, save_report
     from train.tracking import make_tracker
 
     target_model, tokenizer, _ = target or load_target(cfg, dist)
-    prompts = eval_prompts(cfg.eval.prompts, tokenizer, cfg.eval.max_prompts, trained_on=trained_on,
-                           log=functools.partial(print0, dist))
-    report = evaluate(target_model, tokenizer, candidates, prompts, cfg.eval, target_spec=cfg.target.model,
-                      seed=cfg.seed, device=dist.device, dtype=cfg.target.dtype, rank=dist.rank,
-                      world_size=dist.world_size, gather=dist.gather)
+    prompts = eval_prompts(
+        cfg.eval.prompts, tokenizer, cfg.eval.max_prompts, trained_on=trained_on, log=functools.partial(print0, dist)
+    )
+    report = evaluate(
+        target_model,
+        tokenizer,
+        candidates,
+        prompts,
+        cfg.eval,
+        target_spec=cfg.target.model,
+        serving=cfg.serving,
+        seed=cfg.seed,
+        device=dist.device,
+        dtype=cfg.target.dtype,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        gather=dist.gather,
+    )
     path = out_dir / "report.json"
     if dist.is_main:
-        report["recommendation"] = recommend(report, temperature=cfg.serving.temperature,
-                                             draft_rule=cfg.serving.draft_rule,
-                                             min_acceptance=cfg.serving.min_acceptance)
+        report["recommendation"] = recommend(report, cfg.serving)
         report["eval_config"] = json.loads(json.dumps(cfg.eval.__dict__))
         save_report(report, out_dir)
         tracker = make_tracker(cfg.tracking, out_dir, to_dict(cfg), True, name=f"{Path(cfg.output_dir).name}-eval")
@@ -158,9 +296,16 @@ def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: boo
     if exported and not rec.get("enabled"):
         export_draft(Path(rec["draft"]), exported, report=report)
     draft_tokenizer = load_tokenizer(rec["draft"]) if exported else None
-    summary = promote(report_path, serving_path(cfg), force=force, expected_target=cfg.target.model,
-                      expected_fingerprint=target_fingerprint(target_model, tokenizer), target_tokenizer=tokenizer,
-                      draft_tokenizer=draft_tokenizer, export_dir=exported if rec.get("enabled") else None)
+    summary = promote(
+        report_path,
+        serving_path(cfg),
+        force=force,
+        expected_target=cfg.target.model,
+        expected_fingerprint=target_fingerprint(target_model, tokenizer),
+        target_tokenizer=tokenizer,
+        draft_tokenizer=draft_tokenizer,
+        export_dir=exported if rec.get("enabled") else None,
+    )
     return exported, summary
 
 
@@ -178,8 +323,9 @@ def config_candidates(cfg: RootConfig):
     out = []
     for run_dir in candidate_dirs(cfg):
         if not (run_dir / "best").is_dir():
-            raise ValueError(f"candidate {run_dir.name} has no best/ checkpoint in {run_dir}; run "
-                             f"`specdistill distill` first")
+            raise ValueError(
+                f"candidate {run_dir.name} has no best/ checkpoint in {run_dir}; run `specdistill distill` first"
+            )
         out.append(Candidate(name=run_dir.name, path=run_dir / "best", run_dir=run_dir))
     return out
 
@@ -189,11 +335,13 @@ def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
     if not report_path.is_file():
         return False
     report = json.loads(report_path.read_text())
-    newest_best = max(((d / "best").stat().st_mtime for d in candidate_dirs(cfg) if (d / "best").exists()),
-                      default=0.0)
-    return (report.get("eval_config") == json.loads(json.dumps(cfg.eval.__dict__))
-            and "recommendation" in report and report_path.stat().st_mtime >= newest_best
-            and sorted(c["name"] for c in report["candidates"]) == sorted(candidate_names(cfg)))
+    newest_best = max(((d / "best").stat().st_mtime for d in candidate_dirs(cfg) if (d / "best").exists()), default=0.0)
+    return (
+        report.get("eval_config") == json.loads(json.dumps(cfg.eval.__dict__))
+        and "recommendation" in report
+        and report_path.stat().st_mtime >= newest_best
+        and sorted(c["name"] for c in report["candidates"]) == sorted(candidate_names(cfg))
+    )
 
 
 def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
@@ -215,14 +363,14 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
         print0(dist, f"[3/5] eval: up to date ({report_path})")
     else:
         print0(dist, f"[3/5] eval -> {out / 'eval'}")
-        stage_eval(cfg, dist, config_candidates(cfg), out_dir=out / "eval", target=target,
-                   trained_on=cfg.data)
+        stage_eval(cfg, dist, config_candidates(cfg), out_dir=out / "eval", target=target, trained_on=cfg.data)
     result = {"report": report_path, "html": out / "eval" / "report.html", "serving": serving_path(cfg)}
     if dist.is_main:
         print0(dist, "[4/5] export + [5/5] promote")
         exported, summary = stage_promote(cfg, report_path, target=target, force=force)
         report = json.loads(report_path.read_text())
-        result.update(exported=exported, summary=summary, recommendation=report["recommendation"],
-                      wall_s=time.time() - start)
+        result.update(
+            exported=exported, summary=summary, recommendation=report["recommendation"], wall_s=time.time() - start
+        )
     dist.barrier()
     return result

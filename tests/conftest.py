@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny random models built in code, an isolated model cache, quiet libraries."""
+"""Fixtures (an isolated model cache, one intra-op thread), quiet libraries, and the skip hook of the markers.
+
+Builders shared by the test modules live in tests/helpers.py; nothing imports this file as a module.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -12,22 +16,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`gpu` tests skip without CUDA; `chromium` tests skip without chromium, unless CI demands it
+    (SPECDISTILL_REQUIRE_CHROMIUM=1), where a missing browser fails the test instead of hiding it."""
+    if item.get_closest_marker("gpu"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+    if item.get_closest_marker("chromium") and shutil.which("chromium") is None:
+        if os.environ.get("SPECDISTILL_REQUIRE_CHROMIUM") == "1":
+            pytest.fail("chromium not found: apt-get install chromium", pytrace=False)
+        pytest.skip("needs headless Chromium: apt-get install chromium")
+
+
 @pytest.fixture
 def isolated_cache(tmp_path, monkeypatch):
     """A fresh SPECDISTILL_CACHE so conversions and random models are built by the test itself."""
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
-
-
-def tiny_llama(vocab_size: int = 64, layers: int = 2, seed: int = 0, **overrides):
-    """A random LlamaForCausalLM small enough to run hundreds of forwards per second on a CPU."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    shape = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(LlamaConfig(**{**shape, **overrides})).eval()
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,8 @@ def test_wrong_type(tmp_path):
     ("train.lr=-1", "lr must be > 0"),
     ("distill.lmbda=1.5", r"lmbda must be in \[0, 1\]"),
     ("distill.lmbda=-0.1", r"lmbda must be in \[0, 1\]"),
+    ("distill.kd_temperature=0", "kd_temperature must be > 0"),  # checked here, not again by distill_loss
+    ("distill.objective={tv: .nan}", "objective weights must be finite"),
     ("data.top_p=0", r"top_p must be in \(0, 1\]"),
     ("eval.num_draft_tokens=[0, 2]", "num_draft_tokens"),
     ("distill.objective=kl", "unknown objective 'kl'; valid objectives: forward_kl, reverse_kl, jsd, tv, ce"),

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_llama
+from helpers import tiny_llama
 
+from specdec_runtime import atomic
 from specdec_runtime.loading import (
     ModelLoadError,
     VocabMismatchError,
@@ -63,6 +64,23 @@ def test_folder_without_weights_or_config(tmp_path):
         load_model(str(tmp_path / "missing" / "x"))
     with pytest.raises(ModelLoadError, match="GGUF file not found"):
         load_model(str(tmp_path / "x.gguf"))
+
+
+def test_a_cache_entry_built_twice_at_once_keeps_the_first(tmp_path):
+    """Two ranks convert the same model: the later finisher's copy (and its error) is dropped, the first kept."""
+    final = tmp_path / "cache" / "entry"
+    with atomic.staged_cache_dir(final) as first, atomic.staged_cache_dir(final) as second:
+        (second / "config.json").write_text("second")
+        (first / "config.json").write_text("first")
+    assert (final / "config.json").read_text() == "second"  # the inner block finished first
+    with atomic.staged_cache_dir(final) as late:
+        (late / "config.json").write_text("late")
+        raise OSError("disk full")
+    assert (final / "config.json").read_text() == "second"
+    assert [p.name for p in final.parent.iterdir()] == ["entry"]  # no temp folder left
+    with pytest.raises(OSError, match="disk full"), atomic.staged_cache_dir(tmp_path / "other"):
+        raise OSError("disk full")  # no finished entry: a real error
+    assert not (tmp_path / "other").exists()
 
 
 def test_random_tiny_llama_spec(isolated_cache):

@@ -230,7 +230,7 @@ def test_failed_rename_leaves_old_config(tmp_path, monkeypatch):
     def crash(*args):
         raise OSError("simulated crash before rename")
 
-    monkeypatch.setattr("eval.promote.os.replace", crash)
+    monkeypatch.setattr("specdec_runtime.atomic.os.replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
         promote(write_report(tmp_path, "second"), serving)
     assert serving.read_bytes() == before
@@ -240,6 +240,7 @@ def test_failed_rename_leaves_old_config(tmp_path, monkeypatch):
 HALF_WRITE = textwrap.dedent("""
     import os, pathlib, sys, time
     import eval.promote as P
+    import specdec_runtime.atomic as A
 
     real_fdopen = os.fdopen
 
@@ -259,7 +260,7 @@ HALF_WRITE = textwrap.dedent("""
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    P.os.fdopen = lambda fd, mode="r": HalfThenHang(real_fdopen(fd, mode))
+    A.os.fdopen = lambda fd, mode="r": HalfThenHang(real_fdopen(fd, mode))
     P.promote(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]))
 """)
 

@@ -13,17 +13,22 @@ import zlib
 from html.parser import HTMLParser
 
 import pytest
+from helpers import TREE_ALPHA, make_report
+from matplotlib.container import BarContainer, ErrorbarContainer
 
 from eval.report import (
+    PLOTS,
     SETTING_COLUMNS,
     TRACKER_COLUMNS,
     TREE_COLUMNS,
     focus_setting,
     plot_acceptance_vs_gamma,
     plot_by_category,
+    plot_concurrency,
     plot_latency,
     plot_per_position,
     plot_speedup_vs_gamma,
+    plot_training,
     plot_tree_vs_chain,
     read_metrics,
     render_markdown,
@@ -34,127 +39,6 @@ from specdec_runtime.tree import parse_tree, tree_size
 
 # Any warning (matplotlib's "No artists with labels found to put in legend" included) fails the test: users see them.
 pytestmark = pytest.mark.filterwarnings("error")
-
-CATEGORIES = {"coding": 2, "math": 1, "writing": 3}
-
-
-def make_setting(
-    gamma: int, temperature: float, rule: str, alpha: float, tree: str | None = None, nodes: int | None = None
-) -> dict:
-    """One setting as eval/sweep.py writes it; a tree setting has `tree` set and num_draft_tokens = its depth."""
-    c, v = 0.2, 1.3
-    tau = (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    predicted = tau / (gamma * c + v)
-    return {
-        "num_draft_tokens": gamma,
-        "temperature": temperature,
-        "draft_rule": rule,
-        "tree": tree,
-        "acceptance_rate": alpha,
-        "mean_accepted_length": tau,
-        "nodes_per_step": float(gamma if nodes is None else nodes),
-        "per_position_acceptance": [round(alpha + 0.05 * (gamma - i) / gamma, 4) for i in range(gamma)],
-        "expected_acceptance": alpha + 0.01,
-        "cost_ratio": c,
-        "verify_cost_ratio": v,
-        "analytic_speedup": predicted * 1.1,
-        "predicted_speedup": predicted,
-        "speedup": predicted * 0.9,
-        "efficiency": 0.9,
-        "ttft_s": 0.05,
-        "tpot_s": 0.01 / (1 + alpha),
-        "tokens_per_s": 90.0 * alpha,
-        "target_tokens_per_s": 56.0,
-        "wall_s": 3.2,
-        "new_tokens": 768,
-        "target_forwards": 250,
-        "draft_forwards": 1000,
-        "peak_memory_bytes": 123456789,
-        "by_category": {
-            cat: {"acceptance_rate": alpha - 0.1 * i, "mean_accepted_length": tau, "count": n}
-            for i, (cat, n) in enumerate(CATEGORIES.items())
-        },
-        "by_length": {
-            b: {"acceptance_rate": alpha, "mean_accepted_length": tau, "count": 2} for b in ("short", "medium", "long")
-        },
-    }
-
-
-TREE_ALPHA = 0.97  # no chain setting has it, so a tree leaking into a chain plot or table is visible
-
-
-def make_report(tmp_path, *, enabled: bool = True, trees: tuple[str, ...] = ()) -> dict:
-    """A report following the report.json contract: 2 candidates, gamma in {1, 2, 4} x (T=0 greedy, T=1 sample),
-    plus one setting per tree spec x (T, draft_rule) when `trees` is given; the first candidate with a run_dir
-    holding a small metrics.jsonl (and a torn last line, as a killed run leaves)."""
-    run_dir = tmp_path / "candidates" / "trunc2-fkl"
-    run_dir.mkdir(parents=True)
-    rows = [{"step": s, "train/loss": 3.0 / s, "lr": 1e-3} for s in range(1, 9)]
-    rows += [
-        {"step": s, "val/loss": 2.5 / s, "val/expected_acceptance": 0.4 + 0.05 * s, "val/greedy_match": 0.3}
-        for s in (4, 8)
-    ]
-    (run_dir / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + '\n{"step": 9, "train/lo')
-    candidates = []
-    for name, alpha, rd in (("trunc2-fkl", 0.7, str(run_dir)), ("config1-tv", 0.5, None)):
-        settings = [
-            make_setting(g, t, r, alpha - 0.1 * t) for t, r in ((0.0, "greedy"), (1.0, "sample")) for g in (1, 2, 4)
-        ]
-        for t, r in ((0.0, "greedy"), (1.0, "sample")):  # interleaved as the sweep writes them: chains, then trees
-            for spec in trees:
-                depth, nodes = tree_size(parse_tree(spec))
-                tree_alpha = TREE_ALPHA - 0.1 * t - 0.01 * nodes / 16 - 0.05 * (0.7 - alpha)
-                settings.append(make_setting(depth, t, r, tree_alpha, spec, nodes))
-        candidates.append(
-            {
-                "name": name,
-                "draft": str(tmp_path / name / "best"),
-                "run_dir": rd,
-                "num_parameters": 12345,
-                "expected_acceptance": alpha,
-                "settings": settings,
-            }
-        )
-    best = candidates[0]["settings"][2]
-    return {
-        "schema_version": 1,
-        "created_at": "2026-11-29T12:00:00Z",
-        "target": "random:tiny-llama",
-        "target_fingerprint": "0123456789abcdef",
-        "device": "cpu",
-        "prompts": {"source": "builtin:eval", "count": 6, "categories": CATEGORIES},
-        "sweep": {
-            "num_draft_tokens": [1, 2, 4],
-            "temperatures": [0.0, 1.0],
-            "draft_rules": ["greedy", "sample"],
-            "trees": list(trees),
-            "max_new_tokens": 64,
-            "batch_size": 1,
-        },
-        "target_only": [
-            {
-                "temperature": t,
-                "tokens_per_s": 56.0,
-                "wall_s": 5.0,
-                "new_tokens": 768,
-                "ttft_s": 0.04,
-                "tpot_s": 0.018,
-                "peak_memory_bytes": 100000000,
-            }
-            for t in (0.0, 1.0)
-        ],
-        "candidates": candidates,
-        "recommendation": {
-            "name": "trunc2-fkl",
-            "draft": candidates[0]["draft"],
-            "num_draft_tokens": 4,
-            "draft_rule": "greedy",
-            "temperature": 0.0,
-            "enabled": enabled,
-            "reason": "best measured speedup 1.23x by trunc2-fkl" if enabled else "no candidate beats target-only",
-            "measured": {k: best[k] for k in ("acceptance_rate", "mean_accepted_length", "speedup")},
-        },
-    }
 
 
 class Collector(HTMLParser):
@@ -251,9 +135,9 @@ def test_disabled_recommendation_and_no_training_curves(tmp_path):
         cand["run_dir"] = None
     paths = write_reports(report, tmp_path / "eval")
     md = paths["md"].read_text()
-    assert "Speculative decoding is not recommended: no candidate beats target-only" in md
+    assert "Speculative decoding is not recommended: speedup gate: no candidate beats target-only" in md
     assert "training_curves" not in paths
-    assert paths["html"].read_text().count("data:image/png;base64,") == 5
+    assert paths["html"].read_text().count("data:image/png;base64,") == 6  # 5 chain plots + concurrency
 
 
 def test_focus_setting_without_recommendation(tmp_path):
@@ -295,7 +179,7 @@ def test_write_json_atomic_replaces_and_leaves_no_temp(tmp_path, monkeypatch):
     def crash(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr("eval.promote.os.replace", crash)
+    monkeypatch.setattr("specdec_runtime.atomic.os.replace", crash)
     with pytest.raises(OSError, match="disk full"):
         write_json_atomic({"a": 2}, path)
     assert json.loads(path.read_text()) == {"a": 1}
@@ -316,13 +200,14 @@ def distinct_rows(data: bytes) -> int:
     return len({raw[i * stride : (i + 1) * stride] for i in range(height)})
 
 
-@pytest.mark.chromium
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs headless Chromium: apt-get install chromium")
-def test_html_renders_in_headless_chromium(tmp_path):
-    report = make_report(tmp_path)
-    html_path = write_reports(report, tmp_path / "eval")["html"]
-    shot = tmp_path / "shot.png"
-    subprocess.run(
+# Appended to a copy of the page (the report itself has no scripts): after load, every <img>'s decoded width.
+PROBE = """<script>window.addEventListener("load", () => { document.body.setAttribute("data-img-widths",
+  JSON.stringify(Array.from(document.images, (img) => img.complete ? img.naturalWidth : 0))); });</script>"""
+
+
+def chromium(tmp_path, url: str, *args: str) -> str:
+    """Headless Chromium (the distribution's package) on `url` -> its stdout."""
+    r = subprocess.run(
         [
             shutil.which("chromium"),
             "--headless",
@@ -333,27 +218,59 @@ def test_html_renders_in_headless_chromium(tmp_path):
             "--no-first-run",
             f"--user-data-dir={tmp_path / 'chrome-profile'}",
             "--window-size=1280,2400",
-            f"--screenshot={shot}",
-            html_path.as_uri(),
+            *args,
+            url,
         ],
         check=True,
         capture_output=True,
+        text=True,
         timeout=120,
     )
+    return r.stdout
+
+
+def img_widths(tmp_path, page: str) -> list[int]:
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", PROBE + "</body>"))
+    dom = chromium(tmp_path, probe.as_uri(), "--virtual-time-budget=10000", "--dump-dom")
+    parser = Collector()
+    parser.feed(dom)
+    (body,) = [attrs for tag, attrs in parser.starts if tag == "body"]
+    return json.loads(body["data-img-widths"])
+
+
+@pytest.mark.chromium
+def test_html_renders_in_headless_chromium(tmp_path):
+    report = make_report(tmp_path)
+    html_path = write_reports(report, tmp_path / "eval")["html"]
+    page = html_path.read_text()
+    widths = img_widths(tmp_path, page)
+    assert len(widths) == page.count("<img ") >= 7 and all(w > 200 for w in widths), widths
+    # the same probe sees a broken image: a truncated PNG decodes to nothing
+    broken = page.replace('src="data:image/png;base64,', 'src="data:image/png;base64,AAAA', 1)
+    assert img_widths(tmp_path, broken)[0] == 0
+    shot = tmp_path / "shot.png"
+    chromium(tmp_path, html_path.as_uri(), f"--screenshot={shot}")
     data = shot.read_bytes()
     width, height = png_size(data)
     assert width >= 1280 and height >= 2400 and len(data) > 20_000
     assert distinct_rows(data) > 100  # text, tables and plots, not a blank or error page
+    blank = tmp_path / "blank.html"
+    blank.write_text("<!DOCTYPE html><html><body></body></html>")
+    chromium(tmp_path, blank.as_uri(), f"--screenshot={shot}")
+    assert distinct_rows(shot.read_bytes()) < 5  # the check tells a blank page apart
 
 
 def test_missing_values_render(tmp_path):
     """Ratios over zero events are None in the sweep (a position never reached, a setting with no speedup)."""
     report = make_report(tmp_path)
     setting = report["candidates"][1]["settings"][2]
-    setting.update(speedup=None, efficiency=None, per_position_acceptance=[0.5, 0.4, None, None], tpot_s=None)
+    setting.update(
+        speedup=None, speedup_ci=None, efficiency=None, per_position_acceptance=[0.5, 0.4, None, None], tpot_s=None
+    )
     report["candidates"][1]["settings"][0]["by_category"] = {}
     paths = write_reports(report, tmp_path / "eval")
-    assert paths["html"].read_text().count("data:image/png;base64,") == 6
+    assert paths["html"].read_text().count("data:image/png;base64,") == 7
     row = next(ln for ln in paths["md"].read_text().splitlines() if ln.startswith("| config1-tv | 4 | 0 | greedy"))
     cells = dict(zip(SETTING_COLUMNS, (c.strip() for c in row.strip("|").split("|"))))
     assert cells["speedup"] == cells["efficiency"] == cells["tpot_s"] == "-" and cells["acceptance_rate"] == "0.5"
@@ -400,7 +317,7 @@ def test_chain_plots_exclude_tree_settings(tmp_path):
 def test_tree_table_and_plot(tmp_path):
     report = make_report(tmp_path, trees=TREES)
     tree_setting = report["candidates"][1]["settings"][-1]  # config1-tv, dynamic:16 at T=1 sample
-    tree_setting["speedup"] = None
+    tree_setting["speedup"] = tree_setting["speedup_ci"] = None
     tracker = RecordingTracker()
     paths = write_reports(report, tmp_path / "eval", tracker=tracker)
     md, page = paths["md"].read_text(), paths["html"].read_text()
@@ -432,10 +349,11 @@ def test_tree_table_and_plot(tmp_path):
 
     assert "tree_vs_chain" in paths and png_size(paths["tree_vs_chain"].read_bytes())[0] > 200
     assert "(plots/tree_vs_chain.png)" in md and 'id="tree_vs_chain"' in page
-    assert page.count("data:image/png;base64,") == 7  # the 6 chain / training plots + tree vs chain
+    assert page.count("data:image/png;base64,") == 8  # 6 chain / training plots + concurrency + tree vs chain
     # bars at T=0 greedy (the recommendation): each candidate's fastest chain, then each tree in sweep order
     tau_ax, speedup_ax = plot_tree_vs_chain(report).axes
-    for cand, taus, speedups in zip(report["candidates"], tau_ax.containers, speedup_ax.containers):
+    bars = [[c for c in ax.containers if isinstance(c, BarContainer)] for ax in (tau_ax, speedup_ax)]
+    for cand, taus, speedups in zip(report["candidates"], *bars, strict=True):
         at = [s for s in cand["settings"] if s["temperature"] == 0.0]
         best = max((s for s in at if s["tree"] is None), key=lambda s: s["speedup"])
         expected = [best, *(s for s in at if s["tree"] is not None)]
@@ -458,3 +376,72 @@ def test_training_curves_without_validation_render_without_warnings(tmp_path):
         warnings.simplefilter("error")
         paths = write_reports(report, tmp_path / "eval")
     assert "training_curves" in paths and png_size(paths["training_curves"].read_bytes())[0] > 200
+
+
+def test_speedup_intervals_in_tables_and_plots(rendered):
+    """Every speedup sits next to its interval: the Markdown cells and the plots' error bars."""
+    report, md = rendered["report"], rendered["md"].read_text()
+    chain_rows = md_table(md, "Chain settings")
+    for cand in report["candidates"]:
+        for s in cand["settings"]:
+            (row,) = [
+                r
+                for r in chain_rows
+                if (r["candidate"], int(r["num_draft_tokens"]), r["draft_rule"])
+                == (cand["name"], s["num_draft_tokens"], s["draft_rule"])
+                and float(r["temperature"]) == s["temperature"]
+            ]
+            lo, hi = (float(x) for x in row["speedup_ci"].strip("[]").split(","))
+            assert (lo, hi) == pytest.approx(tuple(s["speedup_ci"]), rel=1e-2)
+    fig = plot_speedup_vs_gamma(report)
+    for ax, temperature in zip(fig.axes, [0.0, 1.0]):  # (T=0, greedy), (T=1, sample)
+        bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+        assert len(bars) == len(report["candidates"])
+        for cand, bar in zip(report["candidates"], bars):
+            rows = sorted(
+                (s for s in cand["settings"] if s["temperature"] == temperature), key=lambda s: s["num_draft_tokens"]
+            )
+            (segments,) = [seg.get_segments() for seg in bar.lines[2]]
+            got = [float(y) for a, b in segments for y in (a[1], b[1])]
+            assert got == pytest.approx([y for s in rows for y in s["speedup_ci"]])
+    conf_rows = md_table(md, "Confirmation split")
+    assert [int(r["batch_size"]) for r in conf_rows] == [1, 4]
+    for row, want in zip(conf_rows, report["confirmation"]["by_batch_size"]):
+        assert float(row["speedup"]) == pytest.approx(want["speedup"], rel=1e-3)
+        assert row["speedup_ci"] == f"[{want['speedup_ci'][0]:.3g}, {want['speedup_ci'][1]:.3g}]"
+    assert "95% CI [" in md and "worth it up to batch size 1" in md  # the recommendation quotes the interval
+    speedup_ax, throughput_ax, *_ = plot_concurrency(report).axes
+    (bar,) = [c for c in speedup_ax.containers if isinstance(c, ErrorbarContainer)]
+    assert [float(x) for x in bar.lines[0].get_xdata()] == [1, 4]
+    assert {ln.get_label() for ln in throughput_ax.lines} == {"speculative", "target-only"}
+
+
+def series_of(fig) -> dict[str, list[float]]:
+    """Every data series of a figure, per axes title: line y values, bar heights."""
+    out: dict[str, list[float]] = {}
+    for i, ax in enumerate(fig.axes):
+        values = [float(y) for ln in ax.lines for y in ln.get_ydata()] + [p.get_height() for p in ax.patches]
+        out[f"{i}: {ax.get_title()}"] = [v for v in values if v == v]  # NaN-free
+    return out
+
+
+def test_every_plot_of_a_real_training_run_has_data(tmp_path_factory, tmp_path):
+    """A real (tiny) distillation run's metrics.jsonl feeds the training plot: its validation panel too."""
+    from helpers import reference_run
+
+    _, _, cand = reference_run(tmp_path_factory, "report-run")
+    report = make_report(tmp_path)
+    report["candidates"][0]["run_dir"] = str(cand)
+    keys = {k for row in read_metrics(cand) for k in row}
+    assert {"train/loss", "eval/loss", "eval/expected_acceptance", "eval/greedy_match"} <= keys
+    for name, _, plot in PLOTS:
+        fig = plot(report)
+        if name == "tree_vs_chain":
+            assert fig is None  # no trees in this report
+            continue
+        for title, values in series_of(fig).items():
+            assert values, f"{name} panel {title} has no data"
+    (train_ax, val_ax) = plot_training(report).axes
+    labels = {ln.get_label() for ln in val_ax.lines}
+    assert {"trunc2-fkl eval/expected_acceptance", "trunc2-fkl eval/greedy_match"} <= labels
+    assert "trunc2-fkl eval/loss" in {ln.get_label() for ln in train_ax.lines}

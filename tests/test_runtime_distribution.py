@@ -2,7 +2,8 @@
 
 Rows of a batch are independent, so one generate call over thousands of rows gives thousands of draws. The toy model
 reads the previous token back from its KV cache, so a rejected draft token left visible after a rollback, a wrong
-bonus token or a wrong position id all change the joint distribution of the first three tokens.
+bonus token or a wrong position id all change the joint distribution of the emitted tokens: of the first three, and
+of whole sequences of 2 (gamma + 1) tokens with a stop token (rows finish at different steps and leave the batch).
 """
 
 import itertools
@@ -10,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_llama as conftest_tiny_llama
-from transformers import LlamaForCausalLM
+from helpers import V, chi_square_pvalue, exact_joint, llama_joint2, spread_llama
 
 import specdec_runtime.engine as engine
+import specdec_runtime.kv as kv
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.llama import Llama
 from specdec_runtime.sampling import warp_logits
@@ -21,19 +22,14 @@ from specdec_runtime.sampling import warp_logits
 # Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-V = 6
-NONE = V  # "no previous token" row of the trigram table
-
-
-
 
 class TrigramLM(torch.nn.Module):
     """Logits by (previous token, current token, position parity); the previous token is read from the KV cache."""
 
-    def __init__(self, table: torch.Tensor):  # (V + 1, V, 2, V)
+    def __init__(self, table: torch.Tensor):  # (V + 1, V, 2, V): row V is "no previous token"
         super().__init__()
         self.table = table
-        self.config = SimpleNamespace(vocab_size=V, max_position_embeddings=1024)
+        self.config = SimpleNamespace(vocab_size=table.shape[-1], max_position_embeddings=1024)
         self.device = torch.device("cpu")
 
     def forward(self, input_ids, position_ids, attention_mask, cache, use_cache=True, logits_to_keep=0):
@@ -44,7 +40,7 @@ class TrigramLM(torch.nn.Module):
         cols = torch.arange(S + T)
         latest = torch.where(attention_mask.bool(), cols, -1).cummax(1).values  # last visible column <= c
         prev_col = torch.cat([torch.full((B, 1), -1), latest[:, :-1]], 1)[:, S:]  # (B, T) last visible before c
-        prev = torch.where(prev_col >= 0, ids.gather(1, prev_col.clamp_min(0)), NONE)
+        prev = torch.where(prev_col >= 0, ids.gather(1, prev_col.clamp_min(0)), self.table.shape[0] - 1)
         logits = self.table[prev, input_ids, position_ids % 2]  # (B, T, V)
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
@@ -58,34 +54,6 @@ def trigram_tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     draft[..., 1] = float("-inf")  # q has no mass on token 1, p does
     draft[..., 2] += 3.0  # q over-proposes token 2
     return target, draft
-
-
-def exact_joint(table: torch.Tensor, prompt: list[int], sampling: SamplingParams) -> torch.Tensor:
-    """P(y1, y2, y3) of target-only sampling after `prompt` -> (V, V, V)."""
-    L = len(prompt)
-    prev0 = prompt[-2] if L > 1 else NONE
-
-    def p(prev, cur, pos):
-        return warp_logits(table[prev, cur, pos % 2], sampling)
-
-    joint = torch.zeros(V, V, V)
-    for y1, y2 in itertools.product(range(V), repeat=2):
-        joint[y1, y2] = p(prev0, prompt[-1], L - 1)[y1] * p(prompt[-1], y1, L)[y2] * p(y1, y2, L + 1)
-    return joint
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells expecting < 5 draws are pooled into one."""
-    counts, expected = counts.flatten().double(), probs.flatten().double() * counts.sum()
-    small = expected < 5
-    if small.any():
-        counts = torch.cat([counts[~small], counts[small].sum()[None]])
-        expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    assert counts[expected == 0].sum() == 0, "a draw the target can never produce"
-    keep = expected > 0
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
 PROMPTS = {"short": [3], "long": [4, 1, 5, 2]}
@@ -170,24 +138,9 @@ def test_a_broken_acceptance_rule_is_caught(toys, monkeypatch):
     assert min(pvalues) < 1e-6
 
 
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    # A 12-token vocabulary and spread-out logits (initializer_range 0.5), so p and q differ a lot.
-    return conftest_tiny_llama(vocab_size=12, seed=seed, max_position_embeddings=64, initializer_range=0.5)
-
-
-def llama_joint2(model: LlamaForCausalLM, prompt: list[int], sampling: SamplingParams) -> torch.Tensor:
-    """P(y1, y2) of target-only sampling after `prompt` -> (V, V), from full forwards."""
-    vocab = model.config.vocab_size
-    with torch.no_grad():
-        p1 = warp_logits(model(input_ids=torch.tensor([prompt])).logits[0, -1], sampling)
-        seqs = torch.tensor([prompt + [y] for y in range(vocab)])
-        p2 = warp_logits(model(input_ids=seqs).logits[:, -1], sampling)
-    return p1[:, None] * p2
-
-
 @pytest.mark.parametrize("backend", ["hf", "compact"])
 def test_speculative_joint_on_tiny_llamas(backend):
-    target, draft = tiny_llama(0), tiny_llama(1)
+    target, draft = spread_llama(0), spread_llama(1)
     prompts = {"short": [5], "long": [3, 9, 1, 7, 2]}
     sampling = SamplingParams(temperature=1.0, top_k=8)
     exact = {kind: llama_joint2(target, prompt, sampling) for kind, prompt in prompts.items()}
@@ -210,3 +163,107 @@ def test_speculative_joint_on_tiny_llamas(backend):
     for i, kind in enumerate(("short", "long")):
         counts = torch.bincount(flat[i::2], minlength=144)
         assert chi_square_pvalue(counts, exact[kind]) > 1e-4, kind
+
+
+# ------------------------------------------------------------------------ whole sequences, with their broken twins
+
+SEQ_V, SEQ_STOP, SEQ_GAMMA = 4, 3, 2
+SEQ_LEN = 2 * (SEQ_GAMMA + 1)  # two full steps after the first token: bonus tokens and rollbacks both feed forward
+SEQ_PROMPTS = {"short": [1], "long": [2, 0, 1]}
+SEQ_DRAWS = 12_000  # per prompt kind
+
+
+def sequence_tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(V + 1, V, 2, V) target and draft tables that agree often (all-accepted steps take a bonus token) but not
+    always (rejections roll back), with a rare stop token so most sequences run to full length."""
+    gen = torch.Generator().manual_seed(seed)
+    target = 1.5 * torch.randn(SEQ_V + 1, SEQ_V, 2, SEQ_V, generator=gen)
+    target[..., SEQ_STOP] -= 1.5
+    draft = target + torch.randn(target.shape, generator=gen)
+    return target, draft
+
+
+def sequence_probs(table: torch.Tensor, prompt: list[int], sampling: SamplingParams) -> dict[tuple, float]:
+    """P(sequence) of target-only sampling for every sequence the run can emit: SEQ_LEN tokens, or fewer ending in
+    the stop token."""
+    none, probs = table.shape[0] - 1, {}
+    for length in range(1, SEQ_LEN + 1):
+        for seq in itertools.product(range(SEQ_V), repeat=length):
+            if SEQ_STOP in seq[:-1] or (length < SEQ_LEN and seq[-1] != SEQ_STOP):
+                continue
+            ctx, prob = list(prompt) + list(seq), 1.0
+            for i in range(len(prompt), len(ctx)):
+                prev = ctx[i - 2] if i >= 2 else none
+                prob *= float(warp_logits(table[prev, ctx[i - 1], (i - 1) % 2], sampling)[ctx[i]])
+            probs[seq] = prob
+    return probs
+
+
+def sequence_pvalues(target, draft, table, sampling, rule, seed=0) -> dict[str, float]:
+    """Chi-square p-value of the emitted sequences per prompt kind against their exact distribution."""
+    result = generate(
+        target,
+        draft,
+        [SEQ_PROMPTS["short"], SEQ_PROMPTS["long"]] * SEQ_DRAWS,
+        num_draft_tokens=SEQ_GAMMA,
+        draft_rule=rule,
+        sampling=sampling,
+        max_new_tokens=SEQ_LEN,
+        stop_token_ids=[SEQ_STOP],
+        generator=torch.Generator().manual_seed(seed),
+    )
+    pvalues = {}
+    for i, kind in enumerate(("short", "long")):
+        probs = sequence_probs(table, SEQ_PROMPTS[kind], sampling)
+        cells = {seq: c for c, seq in enumerate(probs)}
+        counts = torch.zeros(len(cells) + 1)  # the last cell: sequences the target can never emit
+        for tokens in result.tokens[i::2]:
+            counts[cells.get(tuple(tokens), len(cells))] += 1
+        pvalues[kind] = chi_square_pvalue(counts, torch.tensor([*probs.values(), 0.0]))
+    return pvalues
+
+
+@pytest.fixture(scope="module")
+def seq_toys():
+    target, draft = sequence_tables(0)
+    return TrigramLM(target), TrigramLM(draft), target
+
+
+@pytest.mark.parametrize(
+    "sampling,rule",
+    [(SamplingParams(1.0), "sample"), (SamplingParams(0.8, top_p=0.9), "sample"), (SamplingParams(1.0), "greedy")],
+    ids=["t1-sample", "topp-sample", "t1-greedy"],
+)
+def test_whole_sequences_are_distributed_as_target_only(seq_toys, sampling, rule):
+    target, draft, table = seq_toys
+    for kind, pvalue in sequence_pvalues(target, draft, table, sampling, rule).items():
+        assert pvalue > 1e-4, kind
+
+
+def test_whole_sequences_of_target_only_decoding(seq_toys):
+    target, _, table = seq_toys
+    for kind, pvalue in sequence_pvalues(target, None, table, SamplingParams(1.0), "sample").items():
+        assert pvalue > 1e-4, kind
+
+
+def test_a_bonus_token_from_the_wrong_index_is_caught(seq_toys, monkeypatch):
+    """Guard on the test itself: the bonus token drawn from p at the last draft position instead of after it."""
+    target, draft, table = seq_toys
+    verify = engine.verify
+
+    def bonus_one_early(p, q, x, generator, greedy=False):  # p: (B, G+1, V); row G is the bonus position
+        G = x.shape[1]
+        return verify(torch.cat([p[:, :G], p[:, G - 1 : G]], 1) if G else p, q, x, generator, greedy)
+
+    monkeypatch.setattr(engine, "verify", bonus_one_early)
+    pvalues = sequence_pvalues(target, draft, table, SamplingParams(1.0), "sample")
+    assert min(pvalues.values()) < 1e-6, pvalues
+
+
+def test_a_stale_cache_entry_after_rollback_is_caught(seq_toys, monkeypatch):
+    """Guard on the test itself: a rollback that leaves the first rejected draft token visible in the cache."""
+    target, draft, table = seq_toys
+    drop_last_real = kv.drop_last_real
+    monkeypatch.setattr(kv, "drop_last_real", lambda mask, drop: drop_last_real(mask, (drop - 1).clamp_min(0)))
+    pvalues = sequence_pvalues(target, draft, table, SamplingParams(1.0), "sample")
+    assert min(pvalues.values()) < 1e-6, pvalues

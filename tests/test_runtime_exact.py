@@ -4,15 +4,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import LLAMA_PROMPTS, hf_greedy, perturbed, tiny_llama
 
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.llama import Llama
 
 # Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 
 
 class PositionLM(torch.nn.Module):
@@ -30,9 +28,12 @@ class PositionLM(torch.nn.Module):
 
 
 def reference_steps(target: list[int], draft: list[int], prompt_len: int, gamma: int, max_new: int, stop=()):
-    """Accepted counts per verify step and the emitted tokens, by hand: draft token i is accepted iff it matches."""
-    steps, out, pos = [], [], prompt_len - 1  # pos: position of the last token so far
-    while len(out) < max_new and not (out and out[-1] in stop):
+    """Accepted counts per verify step and the emitted tokens, by hand: draft token i is accepted iff it matches.
+
+    The first token comes from the target's prefill, so the first verify step starts after it.
+    """
+    steps, out, pos = [], [target[prompt_len]], prompt_len  # pos: position of the last token so far
+    while len(out) < max_new and out[-1] not in stop:
         n = 0
         while n < gamma and draft[pos + 1 + n] == target[pos + 1 + n]:
             n += 1
@@ -73,7 +74,7 @@ def test_accept_counts_match_hand_computed(draft_script, gamma, rule, temperatur
         assert req.drafted == gamma * len(steps)
         assert req.position_accepted == [sum(n > i for n in steps) for i in range(gamma)]
         assert req.position_reached == [sum(n >= i for n in steps) for i in range(gamma)]
-        assert req.target_forwards == len(steps) + (len(prompt) > 1)
+        assert req.target_forwards == len(steps) + 1  # + the prefill, which emits the first token
     agg = result.stats.aggregate()
     if draft_script is SCRIPT:
         assert agg["acceptance_rate"] == 1.0
@@ -94,39 +95,6 @@ def test_max_new_tokens_is_never_exceeded():
     for max_new in (1, 2, 5, 6):
         result = generate(PositionLM(SCRIPT), PositionLM(SCRIPT), PROMPTS, num_draft_tokens=4, max_new_tokens=max_new)
         assert [len(t) for t in result.tokens] == [max_new] * len(PROMPTS)
-
-
-def tiny_llama(seed: int, vocab_size: int = 64, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    shape = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=256, **{**shape, **overrides})
-    return LlamaForCausalLM(config).eval()
-
-
-def perturbed(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
-    """A draft that agrees with the target often but not always."""
-    draft = tiny_llama(0)
-    draft.load_state_dict(model.state_dict())
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for w in draft.parameters():
-            w.add_(scale * torch.randn(w.shape, generator=gen))
-    return draft
-
-
-LLAMA_PROMPTS = [[5, 17, 3, 40, 22, 9], [11], [60, 2, 33], [7, 7, 7, 7, 7, 7, 7, 7, 1]]
-
-
-def hf_greedy(model, prompts, max_new: int, eos: int | None = None) -> list[list[int]]:
-    rows = []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0
-        )
-        rows.append(out[0, len(prompt) :].tolist())
-    return rows
 
 
 @pytest.fixture(scope="module")

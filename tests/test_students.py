@@ -7,12 +7,12 @@ import inspect
 
 import pytest
 import torch
+from helpers import tiny_llama
 from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     DynamicCache,
-    LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -35,12 +35,7 @@ VOCAB = 64
 
 
 def _teacher(num_layers: int = 5, tie: bool = False, vocab_size: int = VOCAB, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(seed, vocab_size, num_layers, tie_word_embeddings=tie)
 
 
 def _ids(seed: int = 0, length: int = 9) -> torch.Tensor:
@@ -63,7 +58,7 @@ def _shares_storage(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 def test_every_field_has_a_docstring_and_defaults_are_valid():
-    DraftConfig().validate()
+    DraftConfig()
     body = ast.parse(inspect.getsource(DraftConfig)).body[0].body
     documented = {
         stmt.target.id
@@ -93,7 +88,7 @@ def test_every_field_has_a_docstring_and_defaults_are_valid():
 )
 def test_validate_rejects_out_of_range(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        DraftConfig(**kwargs).validate()
+        DraftConfig(**kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
-from test_report import make_report
-from test_train import tiny_setup, train_config
+from helpers import make_report, tiny_setup, train_config
 
 from eval.report import TRACKER_COLUMNS, write_reports
 from train.config import TrackingConfig
@@ -124,7 +123,7 @@ def test_offline_run_holds_the_metrics_and_no_secret(tmp_path):
 
 
 def test_distill_logs_training_and_validation_to_wandb(tmp_path, isolated_cache):
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate as distill
 
     teacher, tokenizer, data = tiny_setup(tmp_path)
     cfg = train_config(tmp_path / "run", "tracking.backend=wandb", "tracking.mode=offline", "train.max_steps=2")

@@ -1,6 +1,7 @@
 """The distillation loop on tiny random models: smoke + resume, the pure pieces, cache / on-policy / NaN paths.
 
-The helpers at the top (`tiny_setup`, `make_teacher_data`, `train_config`) are shared with the other train tests.
+Run builders shared with the other train tests (`tiny_setup`, `train_config`, `reference_run`, ...) live in
+tests/helpers.py.
 """
 
 from __future__ import annotations
@@ -8,77 +9,22 @@ from __future__ import annotations
 import json
 import math
 import weakref
-from pathlib import Path
 
-import datasets
 import pytest
 import torch
+from helpers import (
+    assert_same_logs,
+    assert_same_weights,
+    final_weights,
+    make_teacher_data,
+    metric_rows,
+    tiny_setup,
+    train_config,
+)
 from safetensors.torch import load_file
-
-TESTS = Path(__file__).parent
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Shared helpers
-
-
-def make_split(path: Path, teacher, n: int, *, seed: int, top_k: int | None) -> Path:
-    """A finished teacher dataset in the data contract's format: random prompt/response ids, optional top-k cache
-    from a real teacher forward (so cached and online targets agree)."""
-    from distill.data import COMPLETE, features
-
-    g = torch.Generator().manual_seed(seed)
-    cols = {"id": [], "category": [], "input_ids": [], "prompt_len": []}
-    cols |= {"topk_ids": [], "topk_logprobs": []} if top_k else {}
-    for i in range(n):
-        P, R = int(torch.randint(3, 8, (1,), generator=g)), int(torch.randint(2, 10, (1,), generator=g))
-        ids = torch.randint(3, teacher.config.vocab_size, (P + R,), generator=g)
-        cols["id"].append(f"p{i}#0")
-        cols["category"].append("test")
-        cols["input_ids"].append(ids.tolist())
-        cols["prompt_len"].append(P)
-        if top_k:
-            with torch.no_grad():
-                logprobs = torch.log_softmax(teacher(ids[None]).logits[0].float(), dim=-1)  # (T, V)
-            values, indices = logprobs[P - 1 : P + R - 1].topk(top_k, dim=-1)  # position t predicts token t + 1
-            cols["topk_ids"].append(indices.tolist())
-            cols["topk_logprobs"].append(values.tolist())
-    datasets.Dataset.from_dict(cols, features=features(top_k)).save_to_disk(str(path))
-    (path / COMPLETE).write_text("")
-    return path
-
-
-def make_teacher_data(root: Path, teacher, *, n_train: int = 16, n_eval: int = 5, top_k: int | None = 4):
-    from distill.data import TeacherData
-
-    return TeacherData(
-        train=make_split(root / "teacher-test", teacher, n_train, seed=0, top_k=top_k),
-        eval=make_split(root / "teacher-eval-test", teacher, n_eval, seed=1, top_k=top_k),
-    )
-
-
-def train_config(out: Path, *overrides: str):
-    """A config for a few-step run of a 2-layer student of random:tiny-llama on CPU, no W&B."""
-    from specdistill.config import load_config
-
-    base = [
-        f"output_dir={out}",
-        "target.model=random:tiny-llama",
-        "target.device=cpu",
-        "draft.num_layers=2",
-        "train.max_steps=2",
-        "train.batch_size=2",
-        "train.grad_accum=1",
-        "train.max_seq_len=64",
-        "train.lr=1e-2",
-        "train.warmup_steps=1",
-        "train.eval_every=1",
-        "train.save_every=1",
-        "train.log_every=1",
-        "tracking.backend=none",
-        "data.max_new_tokens=6",
-    ]
-    return load_config(None, [*base, *overrides])
 
 
 def candidates(yaml_list: str) -> list:
@@ -86,52 +32,6 @@ def candidates(yaml_list: str) -> list:
     from specdistill.config import load_config
 
     return load_config(None, [f"candidates=[{yaml_list}]"]).candidates
-
-
-def tiny_setup(root: Path):
-    """(teacher, tokenizer, teacher data) with the random:tiny-llama target from the (isolated) model cache."""
-    from specdec_runtime.loading import load_model
-
-    teacher, tokenizer = load_model("random:tiny-llama", device="cpu")
-    return teacher, tokenizer, make_teacher_data(root, teacher)
-
-
-def reference_run(tmp_path_factory, name: str, *overrides: str) -> tuple[Path, object, Path]:
-    """(root, teacher data, candidate folder) of one `draft` run in this process, for a module-scoped fixture; the
-    model cache is root/cache, for the subprocess runs compared with it."""
-    from train.loop import distill
-
-    root = tmp_path_factory.mktemp(name)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
-        teacher, tokenizer, data = tiny_setup(root)
-        cand = distill(train_config(root / name, *overrides), "draft", data, teacher=teacher, tokenizer=tokenizer)
-    return root, data, cand
-
-
-def final_weights(cand: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(cand / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-4) -> None:
-    """Equal up to float noise. Adam amplifies it where a gradient is near eps: one step moves a weight by ~lr
-    (1e-2 here), so 1e-4 is 1% of a step."""
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-
-
-def assert_same_logs(a: list[dict], b: list[dict]) -> None:
-    """Same loss, gradient norm and validation metrics at every logged step. Adam hides a constant gradient scale
-    in the weights; the gradient norm does not."""
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for x, y in zip(a, b):
-        for key in x.keys() - {"step", "train/tokens_per_s"}:
-            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
-
-
-def metric_rows(cand: Path) -> list[dict]:
-    return [json.loads(line) for line in (cand / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +58,7 @@ def test_lr_factor_warmup_then_cosine_to_floor():
 
 
 def test_micro_batches_cover_the_same_rows_for_any_split_of_the_global_batch():
-    from train.loop import micro_batch_indices
+    from distill.data import micro_batch_indices
 
     order = list(range(100, 148))
 
@@ -177,7 +77,7 @@ def test_micro_batches_cover_the_same_rows_for_any_split_of_the_global_batch():
 
 
 def test_epoch_order_is_a_seeded_permutation():
-    from train.loop import epoch_order
+    from distill.data import epoch_order
 
     assert sorted(epoch_order(50, 3, 0)) == list(range(50))
     assert epoch_order(50, 3, 0) == epoch_order(50, 3, 0)
@@ -185,7 +85,7 @@ def test_epoch_order_is_a_seeded_permutation():
 
 
 def test_collate_aligns_labels_and_cached_topk_with_the_predicting_position():
-    from train.loop import IGNORE, collate
+    from distill.data import IGNORE, collate
 
     rows = [
         {"input_ids": [5, 6, 7, 8, 9], "prompt_len": 3, "topk_ids": [[8, 1], [9, 2]]},
@@ -210,7 +110,7 @@ def test_collate_aligns_labels_and_cached_topk_with_the_predicting_position():
 
 def test_config_drift_allows_more_steps_but_not_another_objective(tmp_path):
     from specdistill.config import to_dict
-    from train.loop import config_drift, training_fingerprint
+    from specdistill.pipeline import config_drift, training_fingerprint
 
     a = train_config(tmp_path)
     more = train_config(tmp_path, "train.max_steps=9", "train.eval_every=3", "tracking.backend=wandb")
@@ -229,7 +129,7 @@ def test_config_drift_allows_more_steps_but_not_another_objective(tmp_path):
 def test_the_teacher_is_sharded_when_the_student_is_or_when_asked():
     from accelerate.utils import DistributedType
 
-    from train.loop import should_shard_teacher
+    from train.distributed import should_shard_teacher
 
     fsdp, ddp = DistributedType.FSDP, DistributedType.MULTI_GPU
     assert should_shard_teacher("auto", fsdp, world=8, cache=False)
@@ -243,7 +143,7 @@ def test_the_teacher_is_sharded_when_the_student_is_or_when_asked():
 
 def test_on_policy_rows_keep_the_prompt_and_stop_at_eos(tiny):
     from distill.config import DataConfig
-    from train.loop import on_policy_rows
+    from distill.data import on_policy_rows
 
     model, tokenizer, _ = tiny
     rows = [{"input_ids": [10, 11, 12, 13, 14], "prompt_len": 3}, {"input_ids": [20, 21, 22, 23], "prompt_len": 2}]
@@ -268,11 +168,11 @@ def test_on_policy_rows_keep_the_prompt_and_stop_at_eos(tiny):
 def test_two_step_smoke_run_then_resume(tmp_path, tiny, capsys):
     from transformers import AutoModelForCausalLM
 
+    from specdistill.pipeline import distill_candidate
     from train.checkpoint import read_checkpoint
-    from train.loop import distill
 
     teacher, tokenizer, data = tiny
-    cand = distill(
+    cand = distill_candidate(
         train_config(tmp_path / "run", "train.keep_last=1"), "draft", data, teacher=teacher, tokenizer=tokenizer
     )
     assert cand == tmp_path / "run" / "candidates" / "draft"
@@ -310,7 +210,7 @@ def test_two_step_smoke_run_then_resume(tmp_path, tiny, capsys):
     capsys.readouterr()
 
     # resume: one more step from the step-2 checkpoint, metrics rows continue without duplicates
-    distill(
+    distill_candidate(
         train_config(tmp_path / "run", "train.keep_last=1", "train.max_steps=3"),
         "draft",
         data,
@@ -323,13 +223,13 @@ def test_two_step_smoke_run_then_resume(tmp_path, tiny, capsys):
 
 
 def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, tiny):
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny
     cfg = train_config(tmp_path / "run", "train.max_steps=1")
-    distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    distill_candidate(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
     with pytest.raises(ValueError, match=r"other settings \(distill.kd_temperature\).*train.resume=false"):
-        distill(
+        distill_candidate(
             train_config(tmp_path / "run", "train.max_steps=2", "distill.kd_temperature=2.0"),
             "draft",
             data,
@@ -337,7 +237,7 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, tiny):
             tokenizer=tokenizer,
         )
     # starting over is explicit
-    distill(
+    distill_candidate(
         train_config(tmp_path / "run", "train.max_steps=1", "distill.kd_temperature=2.0", "train.resume=false"),
         "draft",
         data,
@@ -347,7 +247,7 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, tiny):
 
 
 def test_gradient_accumulation_equals_the_big_batch(tmp_path, tiny):
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny
     runs, rows = {}, {}
@@ -359,7 +259,7 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path, tiny):
             "train.eval_every=9",
             "train.save_every=9",
         )
-        cand = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+        cand = distill_candidate(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
         runs[name], rows[name] = final_weights(cand, 2), metric_rows(cand)
     assert_same_logs(rows["big"], rows["accum"])
     assert_same_weights(runs["big"], runs["accum"])
@@ -368,8 +268,9 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path, tiny):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny):
+    from specdistill.pipeline import distill_candidate
     from train.checkpoint import read_checkpoint
-    from train.loop import NonFiniteLossError, distill
+    from train.loop import NonFiniteLossError
 
     teacher, tokenizer, data = tiny
     cfg = train_config(
@@ -381,7 +282,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
         "train.keep_last=5",
     )
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss .* at step 2; stopped without saving.*step-000001"):
-        distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+        distill_candidate(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
     cand = tmp_path / "run" / "candidates" / "draft"
     assert sorted(p.name for p in (cand / "checkpoints").iterdir()) == ["step-000001"]
     assert read_checkpoint(cand / "checkpoints" / "step-000001", adapter=False).state.step == 1
@@ -392,6 +293,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
 def test_teacher_cache_trains_without_running_the_teacher(tmp_path, tiny, monkeypatch):
     import train.loop
     from specdec_runtime.loading import load_model
+    from specdistill.pipeline import distill_candidate
 
     _, _, data = tiny
     forwards, refs = [], []
@@ -406,7 +308,7 @@ def test_teacher_cache_trains_without_running_the_teacher(tmp_path, tiny, monkey
 
     monkeypatch.setattr(train.loop, "load_model", load_counting)
     cfg = train_config(tmp_path / "run", "distill.teacher=cache", "distill.objective=tv")
-    cand = train.loop.distill(cfg, "draft", data)
+    cand = distill_candidate(cfg, "draft", data)
     assert len(refs) == 1 and forwards == []
     assert refs[0]() is None  # nothing holds the teacher after the run
     rows = metric_rows(cand)
@@ -415,12 +317,12 @@ def test_teacher_cache_trains_without_running_the_teacher(tmp_path, tiny, monkey
 
 
 def test_unusable_data_is_refused(tmp_path, tiny):
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny
     no_cache = make_teacher_data(tmp_path, teacher, top_k=None)
     with pytest.raises(ValueError, match="data.teacher_cache=true"):
-        distill(
+        distill_candidate(
             train_config(tmp_path / "run", "distill.teacher=cache"),
             "draft",
             no_cache,
@@ -428,17 +330,18 @@ def test_unusable_data_is_refused(tmp_path, tiny):
             tokenizer=tokenizer,
         )
     with pytest.raises(ValueError, match="every prompt in .* fills train.max_seq_len=3"):
-        distill(
+        distill_candidate(
             train_config(tmp_path / "run", "train.max_seq_len=3"), "draft", data, teacher=teacher, tokenizer=tokenizer
         )
     with pytest.raises(ValueError, match="fewer than one global batch"):
-        distill(
+        distill_candidate(
             train_config(tmp_path / "run", "train.batch_size=32"), "draft", data, teacher=teacher, tokenizer=tokenizer
         )
 
 
 def test_on_policy_batches_are_generated_by_the_student(tmp_path, tiny, monkeypatch):
     import train.loop
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny
     calls = []
@@ -451,7 +354,7 @@ def test_on_policy_batches_are_generated_by_the_student(tmp_path, tiny, monkeypa
 
     monkeypatch.setattr(train.loop, "on_policy_rows", spy)
     cfg = train_config(tmp_path / "run", "distill.lmbda=1.0", "train.max_steps=1", "train.grad_accum=2")
-    cand = train.loop.distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    cand = distill_candidate(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
     assert len(calls) == 2  # every micro-batch of the step
     rows, out = calls[0]
     assert [r["input_ids"][: r["prompt_len"]] for r in rows] == [r["input_ids"][: r["prompt_len"]] for r in out]
@@ -459,33 +362,33 @@ def test_on_policy_batches_are_generated_by_the_student(tmp_path, tiny, monkeypa
 
 
 def test_run_distill_trains_each_candidate_once(tmp_path, tiny, monkeypatch):
-    import train.loop
+    import specdistill.pipeline as pipeline
 
     teacher, tokenizer, data = tiny
     cfg = train_config(tmp_path / "run", "train.max_steps=1")
     cfg.candidates = candidates("{name: a}, {name: b, overrides: {distill.objective: tv}}")
     trained = []
-    original = train.loop.distill
+    original = pipeline.distill_candidate
     monkeypatch.setattr(
-        train.loop,
-        "distill",
+        pipeline,
+        "distill_candidate",
         lambda c, name, d: trained.append(c) or original(c, name, d, teacher=teacher, tokenizer=tokenizer),
     )
-    best = train.loop.run_distill(cfg, data)
+    best = pipeline.run_distill(cfg, data)
     assert best == {n: tmp_path / "run" / "candidates" / n / "best" for n in ("a", "b")}
     assert [c.distill.objective for c in trained] == [{"forward_kl": 1.0}, {"tv": 1.0}]
     assert all((p / "config.json").is_file() for p in best.values())
-    train.loop.run_distill(cfg, data)  # finished with the same settings: skipped
+    pipeline.run_distill(cfg, data)  # finished with the same settings: skipped
     assert len(trained) == 2
     cfg.train.max_steps = 2  # other settings: trained again (resuming from its checkpoint)
-    train.loop.run_distill(cfg, data)
+    pipeline.run_distill(cfg, data)
     assert len(trained) == 4
 
 
 def test_end_to_end_with_generated_teacher_data(tmp_path, tiny):
     """The data stage's real output (with the top-k cache) feeds an online and a cached candidate."""
     from distill.data import generate_teacher_data
-    from train.loop import run_distill
+    from specdistill.pipeline import run_distill
 
     teacher, tokenizer, _ = tiny
     data_settings = [
@@ -506,21 +409,21 @@ def test_end_to_end_with_generated_teacher_data(tmp_path, tiny):
 def test_lora_student_resumes_its_adapters_and_exports_merged(tmp_path, tiny):
     from transformers import AutoModelForCausalLM
 
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny
     constant = ["draft.lora=true", "draft.lora_r=4", "train.warmup_steps=0", "train.min_lr_ratio=1.0"]
-    straight = distill(
+    straight = distill_candidate(
         train_config(tmp_path / "straight", *constant), "draft", data, teacher=teacher, tokenizer=tokenizer
     )
-    distill(
+    distill_candidate(
         train_config(tmp_path / "resumed", *constant, "train.max_steps=1"),
         "draft",
         data,
         teacher=teacher,
         tokenizer=tokenizer,
     )
-    resumed = distill(
+    resumed = distill_candidate(
         train_config(tmp_path / "resumed", *constant), "draft", data, teacher=teacher, tokenizer=tokenizer
     )
     step2 = resumed / "checkpoints" / "step-000002"
@@ -539,11 +442,11 @@ def test_lora_step_checkpoints_of_a_truncated_student_evaluate_as_that_student(t
     import shutil
 
     from eval.sweep import load_draft, resolve_candidates
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny
     cfg = train_config(tmp_path / "run", "draft.lora=true", "draft.lora_r=4", "train.keep_last=2")
-    cand = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    cand = distill_candidate(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
     assert (cand / "lora_base" / "config.json").is_file()
     best_step = json.loads((cand / "best" / "metrics.json").read_text())["step"]
 
@@ -567,7 +470,7 @@ def test_lora_step_checkpoints_of_a_truncated_student_evaluate_as_that_student(t
     assert torch.equal(first_base_layer(), teacher_layer(0))
     lora = ("draft.lora=true", "draft.lora_r=4")
     again = train_config(tmp_path / "run", *lora, "draft.layers=[1,3]", "train.resume=false")
-    distill(again, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    distill_candidate(again, "draft", data, teacher=teacher, tokenizer=tokenizer)
     assert torch.equal(first_base_layer(), teacher_layer(1))
 
     shutil.rmtree(cand / "lora_base")  # without it the named base is the 4-layer teacher: refused, not guessed
@@ -579,20 +482,21 @@ def test_student_logits_chunked_in_the_loss_train_like_full_logits(tmp_path, tin
     """The loop multiplies the student's hidden states by its head chunk by chunk inside the loss (no (B, T, V)
     student logits): same steps as the full-logits path. A head the check cannot reproduce keeps the full path."""
     import train.loop as loop
-    from distill.students import DraftConfig, build_student
+    from distill.students import DraftConfig, build_student, chunked_head
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny
     student = build_student(teacher, DraftConfig(num_layers=2))
-    assert loop.chunked_head(student) is student.get_output_embeddings().weight
+    assert chunked_head(student) is student.get_output_embeddings().weight
     student.lm_head = torch.nn.Linear(student.config.hidden_size, student.config.vocab_size, bias=True)
-    assert loop.chunked_head(student) is None
+    assert chunked_head(student) is None
 
     heads = []
-    real = loop.chunked_head
+    real = chunked_head
     monkeypatch.setattr(loop, "chunked_head", lambda model: heads.append(real(model)) or heads[-1])
-    chunked = loop.distill(train_config(tmp_path / "chunked"), "draft", data, teacher=teacher, tokenizer=tokenizer)
+    chunked = distill_candidate(train_config(tmp_path / "chunked"), "draft", data, teacher=teacher, tokenizer=tokenizer)
     off = train_config(tmp_path / "full", "distill.chunked_head=false")
-    full = loop.distill(off, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    full = distill_candidate(off, "draft", data, teacher=teacher, tokenizer=tokenizer)
     assert len(heads) == 1 and heads[0] is not None  # chunked_head=false does not even check
     assert_same_logs(metric_rows(chunked), metric_rows(full))
     assert_same_weights(final_weights(chunked, 2), final_weights(full, 2), atol=1e-5)
@@ -603,12 +507,14 @@ def test_bf16_autocast_trains_with_the_chunked_head(tmp_path, tiny, lora, monkey
     """accelerate autocasts the student's forward (bf16 on CUDA; here on the CPU) and the loop enters the same
     autocast for the head matmul it moved into the loss: a plain and a LoRA student train to finite losses."""
     import train.loop as loop
+    from distill.students import chunked_head
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny
-    heads, real = [], loop.chunked_head
+    heads, real = [], chunked_head
     monkeypatch.setattr(loop, "chunked_head", lambda model: heads.append(real(model)) or heads[-1])
     cfg = train_config(tmp_path, "train.mixed_precision=bf16", f"draft.lora={lora}")
-    cand = loop.distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    cand = distill_candidate(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
     assert heads and heads[0] is not None  # the chunked path ran
     rows = metric_rows(cand)
     assert rows[-1]["step"] == 2 and all(math.isfinite(r.get("train/loss", 0.0)) for r in rows)
@@ -617,21 +523,21 @@ def test_bf16_autocast_trains_with_the_chunked_head(tmp_path, tiny, lora, monkey
 def test_a_launcher_config_that_overrides_grad_accum_is_refused(tmp_path, tiny, monkeypatch):
     """`accelerate launch` exports a config file's gradient_accumulation_steps, which accelerate would use instead of
     train.grad_accum (the loss is scaled for the latter)."""
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=3 but train.grad_accum=1: remove"):
-        distill(train_config(tmp_path), "draft", data, teacher=teacher, tokenizer=tokenizer)
+        distill_candidate(train_config(tmp_path), "draft", data, teacher=teacher, tokenizer=tokenizer)
     assert not (tmp_path / "candidates" / "draft" / "checkpoints").exists()
 
 
 def test_epochs_mode_runs_whole_passes_over_the_data(tmp_path, tiny):
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate
 
     teacher, tokenizer, data = tiny  # 16 sequences, global batch 8: 2 steps per epoch
     cfg = train_config(
         tmp_path / "run", "train.max_steps=0", "train.epochs=2", "train.batch_size=8", "train.eval_every=9"
     )
-    cand = distill(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+    cand = distill_candidate(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
     assert [r["train/epoch"] for r in metric_rows(cand) if "train/loss" in r] == [0.5, 1.0, 1.5, 2.0]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import (
+from helpers import (
     TESTS,
     assert_same_logs,
     assert_same_weights,
@@ -70,13 +70,13 @@ def run_two_processes(
         from pathlib import Path
         sys.path.insert(0, {str(TESTS)!r})
         from distill.data import TeacherData
-        from test_train import train_config
-        from train.loop import distill
+        from helpers import train_config
+        from specdistill.pipeline import distill_candidate
 
         data = TeacherData(Path({str(data.train)!r}), Path({str(data.eval)!r}))
         for steps in {steps!r}:
             cfg = train_config(Path({str(out)!r}), *{(*COMMON, *overrides)!r}, f"train.max_steps={{steps}}")
-            distill(cfg, "draft", data)
+            distill_candidate(cfg, "draft", data)
     """)
     )
     env = os.environ | {"SPECDISTILL_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
@@ -170,8 +170,9 @@ def test_shard_teacher_computes_the_full_models_logits_tied_or_not(tmp_path):
         import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
         sys.path.insert(0, {str(TESTS)!r})
-        from conftest import tiny_llama
-        from train.loop import shard_teacher, teacher_forward
+        from helpers import tiny_llama
+        from distill.objectives import teacher_forward
+        from train.distributed import shard_teacher
 
         dist.init_process_group("gloo")
         ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(0))
@@ -211,9 +212,9 @@ def test_on_policy_generation_with_a_sharded_student_keeps_processes_in_step(tmp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         sys.path.insert(0, {str(TESTS)!r})
-        from conftest import tiny_llama
+        from helpers import tiny_llama
         from distill.config import DataConfig
-        from train.loop import on_policy_rows
+        from distill.data import on_policy_rows
 
         dist.init_process_group("gloo")
         rank = dist.get_rank()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import (
+from helpers import (
     TESTS,
     assert_same_logs,
     assert_same_weights,
@@ -51,7 +51,7 @@ def assert_matches_reference(cand: Path, reference: Path) -> None:
 
 @pytest.mark.slow
 def test_sigkilled_run_resumes_to_the_same_result(reference, tmp_path):
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate
 
     root, data, ref_cand = reference
     out = tmp_path / "killed"
@@ -62,18 +62,19 @@ def test_sigkilled_run_resumes_to_the_same_result(reference, tmp_path):
         import sys, time
         from pathlib import Path
         sys.path.insert(0, {str(TESTS)!r})
-        import train.loop
+        import specdistill.pipeline
+        import train.checkpoint
         from distill.data import TeacherData
-        from test_train import train_config
+        from helpers import train_config
 
-        save = train.loop.save_checkpoint
+        save = train.checkpoint.save_checkpoint
         def save_then_wait(*args, **kwargs):
             path = save(*args, **kwargs)
             time.sleep(120)
             return path
-        train.loop.save_checkpoint = save_then_wait
+        train.checkpoint.save_checkpoint = save_then_wait
         data = TeacherData(Path({str(data.train)!r}), Path({str(data.eval)!r}))
-        train.loop.distill(train_config(Path({str(out)!r}), *{SETTINGS!r}), "draft", data)
+        specdistill.pipeline.distill_candidate(train_config(Path({str(out)!r}), *{SETTINGS!r}), "draft", data)
     """)
     )
     env = os.environ | {"SPECDISTILL_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
@@ -88,13 +89,13 @@ def test_sigkilled_run_resumes_to_the_same_result(reference, tmp_path):
 
     cand = out / "candidates" / "draft"
     assert not (cand / "DONE").exists() and not (cand / "checkpoints" / "step-000002").exists()
-    distill(train_config(out, *SETTINGS), "draft", data)
+    distill_candidate(train_config(out, *SETTINGS), "draft", data)
     assert_matches_reference(cand, ref_cand)
     assert (cand / "DONE").is_file()
 
 
 def test_half_written_and_corrupt_newest_checkpoints_are_skipped(reference, tmp_path, capsys):
-    from train.loop import distill
+    from specdistill.pipeline import distill_candidate
 
     root, data, ref_cand = reference
     out = tmp_path / "damaged"
@@ -106,7 +107,7 @@ def test_half_written_and_corrupt_newest_checkpoints_are_skipped(reference, tmp_
     capsys.readouterr()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
-        distill(train_config(out, *SETTINGS), "draft", data)
+        distill_candidate(train_config(out, *SETTINGS), "draft", data)
     printed = capsys.readouterr().out
     assert f"skipping checkpoint {ckpts / 'step-000004'}: no COMPLETE marker" in printed
     assert f"skipping checkpoint {ckpts / 'step-000003'}: model.safetensors" in printed

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from conftest import tiny_llama
+from helpers import g_test_pvalue, per_row_tree, tiny_llama
 from transformers import DynamicCache
 
 from specdec_runtime.tree import (
-    Tree,
     accepted_path_indices,
     draft_level,
     draw_children,
@@ -26,20 +25,6 @@ from specdec_runtime.tree import (
 
 # Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-
-
-def per_row_tree(parents: list[list[int]]) -> Tree:
-    """Tree with per-row parents; depth by walking up in Python."""
-    depth = []
-    for row in parents:
-        depth.append([])
-        for p in row:
-            depth[-1].append(1 if p < 0 else depth[-1][p] + 1)
-    parents_t, depth_t = torch.tensor(parents), torch.tensor(depth)
-    ranks = sibling_rank(parents_t)
-    return Tree(parents_t, depth_t, ranks, int(depth_t.max()), int(ranks.max()) + 1)
 
 
 def ancestors_by_hand(parents: list[int], i: int) -> set[int]:
@@ -254,17 +239,6 @@ def run_tree_step(q_root: torch.Tensor, draw: str, check: str, n: int, seed: int
     fill3 = torch.multinomial(P_NEXT2.float()[out[:, 0], out[:, 1]], 1, generator=g)[:, 0]
     out[:, 2] = torch.where(accepted >= 2, out[:, 2], fill3)
     return out
-
-
-def g_test_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    """G-test of categorical samples (n,) against probs (C,); 0 when an impossible outcome shows up."""
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    observed, expected = counts[probs > 0], samples.numel() * probs[probs > 0]
-    g = 2 * torch.where(observed > 0, observed * (observed / expected).log(), 0.0).sum()
-    dof = torch.tensor((probs > 0).sum().item() - 1.0, dtype=torch.float64)
-    return float(torch.special.gammaincc(dof / 2, g / 2))
 
 
 JOINT = P_ROOT[:, None, None] * P_NEXT[:, :, None] * P_NEXT2  # (V, V, V) exact law of the first 3 tokens

@@ -18,8 +18,8 @@ Layout, with <cand> = <output_dir>/candidates/<name>:
                                             so the adapter-only step checkpoints can be evaluated and exported
     <cand>/DONE                             the finished run's config fingerprint
 
-Every folder is written under a temporary name and renamed into place, so a killed run leaves either the old
-state or the new one. Only the main process calls the writers.
+Every folder is written under a temporary name and renamed into place (`specdec_runtime.atomic`), so a killed run
+leaves either the old state or the new one. Only the main process calls the writers.
 """
 
 from __future__ import annotations
@@ -37,12 +37,14 @@ import torch
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 
+from specdec_runtime import atomic
+from specdec_runtime.loading import LORA_BASE as LORA_BASE  # the run layout's lora_base/, named where it is read
+
 MARKER = "COMPLETE"
 PREFIX = "step-"
 MODEL_FILE = "model.safetensors"
 # The optimizer state of a DeepSpeed run as read back by one rank: {ZERO_KEY: its partition, ZERO_RANKS: how many}.
 ZERO_KEY, ZERO_RANKS = "zero_partition", "zero_ranks"
-LORA_BASE = "lora_base"  # <cand>/lora_base/: the frozen base of a LoRA student that no hub id or folder names
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
@@ -108,25 +110,6 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(dirs, key=_step_of, reverse=True)
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move the finished `tmp` folder to `final`, replacing a stale folder of the same name."""
-    if final.exists():
-        old = final.with_name(f".old-{final.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
-
-
-def _fresh_tmp(parent: Path, name: str) -> Path:
-    tmp = parent / f".tmp-{name}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
-    tmp.mkdir(parents=True)
-    return tmp
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Model weights
 
@@ -187,13 +170,14 @@ def zero_file(rank: int) -> str:
 
 
 def staging_dir(root: Path, step: int) -> Path:
-    """The temporary folder step `step` is written into before it is renamed; every rank can name it."""
+    """The temporary folder step `step` is written into before it is renamed (`atomic.fresh_tmp_dir`'s name for it);
+    every rank can name it."""
     return root / f".tmp-{step_dir(root, step).name}"
 
 
 def begin_staging(root: Path, step: int) -> Path:
     """An empty staging folder for step `step` (main process only), for the ranks to write their shards into."""
-    return _fresh_tmp(root, step_dir(root, step).name)
+    return atomic.fresh_tmp_dir(root, step_dir(root, step).name)
 
 
 def save_checkpoint(
@@ -217,7 +201,7 @@ def save_checkpoint(
         if not any(tmp.glob(ZERO_GLOB)):
             raise RuntimeError(f"{tmp} holds no ZeRO partition: every rank must write its own before this call")
     else:
-        tmp = _fresh_tmp(root, final.name)
+        tmp = atomic.fresh_tmp_dir(root, final.name)
         torch.save(optimizer, tmp / "optimizer.pt")
     write_model_fn(tmp)
     torch.save(scheduler, tmp / "scheduler.pt")
@@ -225,7 +209,7 @@ def save_checkpoint(
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
     (tmp / "config.yaml").write_text(config_yaml)
     (tmp / MARKER).write_text("")
-    _replace_dir(tmp, final)
+    atomic.replace_dir(tmp, final)
     return final
 
 
@@ -305,9 +289,8 @@ def latest_checkpoint(
 
 def save_folder(folder: Path, write_model_fn: Callable[[Path], None]) -> None:
     """Write an HF-format folder atomically (temp folder, then rename)."""
-    tmp = _fresh_tmp(folder.parent, folder.name)
-    write_model_fn(tmp)
-    _replace_dir(tmp, folder)
+    with atomic.staged_dir(folder) as tmp:
+        write_model_fn(tmp)
 
 
 def save_best(best: Path, write_model_fn: Callable[[Path], None], metrics: dict[str, Any]) -> None:
@@ -321,9 +304,7 @@ def save_best(best: Path, write_model_fn: Callable[[Path], None], metrics: dict[
 
 
 def write_done(cand: Path, fingerprint: str) -> None:
-    tmp = cand / ".DONE.tmp"
-    tmp.write_text(fingerprint)
-    tmp.replace(cand / "DONE")
+    atomic.write_text(cand / "DONE", fingerprint)
 
 
 def is_done(cand: Path, fingerprint: str) -> bool:

@@ -45,7 +45,7 @@ class TrainConfig:
     auto = when accelerate runs FSDP; always = also under DDP or on CPU (a large teacher, a small DDP student);
     never = a full copy on every process. One process never shards."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.max_steps < 0 or self.epochs < 0 or (self.max_steps == 0 and self.epochs == 0):
             raise ValueError("set max_steps >= 1, or max_steps=0 with epochs >= 1")
         for name in ("batch_size", "grad_accum", "max_seq_len", "eval_every", "save_every", "keep_last", "log_every"):

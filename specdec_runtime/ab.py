@@ -1,0 +1,230 @@
+"""Paired, repeated A/B timing of decoding modes on the same prompts, and the statistics a deployment decision needs.
+
+Every unit (one batch of prompts at one concurrency) runs every arm (target-only, speculative, ...) `repeats` times;
+the arm order alternates from one (unit, repeat) to the next (A B, then B A: ABBA), so drift in clock speed or
+cache warmth hits both arms alike. Per unit, each arm's decode seconds per token are pooled over the repeats; the
+unit's ratio is target-only over speculative, `speedup` is the median of the units' ratios and `speedup_ci` its
+95 % percentile-bootstrap interval over units (fixed seed). Costs come from the runs' own in-run phases
+(`GenerationStats.phases`), never from a side micro-benchmark. Used by `specdec_runtime.bench` and `eval/sweep.py`.
+
+    runs = paired_runs(lambda unit, arm, repeat: generate(...).stats, units=4, arms=("target_only", "speculative"),
+                       repeats=3)
+    paired_speedup(runs["target_only"], runs["speculative"])      # {"speedup": 1.7, "speedup_ci": [1.5, 1.9]}
+    cost_model(merge_stats(...target-only...), merge_stats(...speculative...))
+"""
+
+import os
+import resource
+import statistics
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .metrics import GenerationStats, analytic_speedup, merge_stats
+
+Runs = list[list]
+"""Per unit, per repeat: what one timed call returned (`GenerationStats` for our engine)."""
+SecondsPerToken = Callable[[Sequence], float | None]
+"""A unit's repeats -> seconds per token pooled over them (None: no token to divide by)."""
+
+BOOTSTRAP_SAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+# ---------------------------------------------------------------------------------------------------- the schedule
+
+
+def abba_order(arms: Sequence[str], unit: int, repeat: int) -> list[str]:
+    """The order the arms run in for one (unit, repeat): as given, or reversed, alternating (A B | B A | A B ...)."""
+    return list(arms) if (unit + repeat) % 2 == 0 else list(reversed(arms))
+
+
+def paired_runs(
+    run: Callable[[int, str, int], object], *, units: int, arms: Sequence[str], repeats: int
+) -> dict[str, Runs]:
+    """Run every arm on every unit `repeats` times in ABBA order -> {arm: per unit, per repeat stats}.
+
+    run(unit, arm, repeat) does one timed generate call; it seeds its generator from (unit, repeat), so every arm of
+    a pair samples with the same seed.
+    """
+    out: dict[str, Runs] = {arm: [[] for _ in range(units)] for arm in arms}
+    for repeat in range(repeats):
+        for unit in range(units):
+            for arm in abba_order(arms, unit, repeat):
+                out[arm][unit].append(run(unit, arm, repeat))
+    return out
+
+
+def pooled(runs: Runs) -> GenerationStats:
+    """Every call of every unit and repeat as one set of stats (counters summed, requests concatenated)."""
+    return merge_stats([stats for unit in runs for stats in unit])
+
+
+def first_repeat(runs: Runs) -> GenerationStats:
+    """One call per unit: the requests of each prompt once (per-category and per-length tables count prompts)."""
+    return merge_stats([unit[0] for unit in runs])
+
+
+# ---------------------------------------------------------------------------------------------- per-token speed
+
+
+def decode_tokens(stats: GenerationStats) -> int:
+    """Tokens emitted after each request's first one: the tokens the decode phase produced (TPOT's tokens)."""
+    return sum(max(r.new_tokens - 1, 0) for r in stats.requests)
+
+
+def decode_s_per_token(calls: Sequence[GenerationStats]) -> float | None:
+    """Decode seconds (prefill excluded) per token after the first, pooled over calls; None without such tokens."""
+    tokens = sum(decode_tokens(stats) for stats in calls)
+    return sum(stats.phases.decode_s for stats in calls) / tokens if tokens else None
+
+
+def unit_ratios(
+    base: Runs, spec: Runs, base_cost: SecondsPerToken = decode_s_per_token, spec_cost: SecondsPerToken | None = None
+) -> list[float]:
+    """Per unit: base seconds per token / spec seconds per token, each pooled over the unit's repeats."""
+    spec_cost = spec_cost or base_cost
+    ratios = []
+    for base_unit, spec_unit in zip(base, spec, strict=True):
+        b, s = base_cost(base_unit), spec_cost(spec_unit)
+        if b is not None and s:
+            ratios.append(b / s)
+    return ratios
+
+
+# -------------------------------------------------------------------------------------------------- statistics
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def bootstrap_ci(
+    values: Sequence[float], *, level: float = 0.95, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED
+) -> list[float]:
+    """Percentile-bootstrap interval of the median of `values` (resampled with replacement, fixed seed) -> [lo, hi].
+
+    With one value the interval is that value: one unit says nothing about spread, which the caller must know
+    (see `paired_speedup`'s `units`).
+    """
+    x = torch.tensor(list(values), dtype=torch.float64)  # (N,)
+    gen = torch.Generator().manual_seed(seed)
+    resampled = x[torch.randint(len(x), (samples, len(x)), generator=gen)].sort(dim=1).values  # (S, N)
+    N = len(x)
+    medians = resampled[:, (N - 1) // 2 : N // 2 + 1].mean(dim=1)  # (S,) the middle one or two, as statistics.median
+    tail = (1 - level) / 2
+    lo, hi = torch.quantile(medians, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
+    return [lo, hi]
+
+
+def paired_speedup(
+    base: Runs, spec: Runs, base_cost: SecondsPerToken = decode_s_per_token, spec_cost: SecondsPerToken | None = None
+) -> dict:
+    """{"speedup": median of the units' paired ratios, "speedup_ci": its 95 % bootstrap interval, "units": N}."""
+    ratios = unit_ratios(base, spec, base_cost, spec_cost)
+    if not ratios:
+        return {"speedup": None, "speedup_ci": None, "units": 0}
+    return {"speedup": median(ratios), "speedup_ci": bootstrap_ci(ratios), "units": len(ratios)}
+
+
+# -------------------------------------------------------------------------------------------- in-run cost model
+
+
+def cost_model(base: GenerationStats, spec: GenerationStats) -> dict:
+    """Cost ratios and the speedup the forwards allow, from both runs' own in-run phases (DESIGN.md names).
+
+    step = the target-only run's decode seconds per step (its forward plus its per-step overhead);
+    cost_ratio = one draft forward / step; verify_cost_ratio = one verify forward / step;
+    predicted_speedup = (tokens per speculative step / tokens per target-only step) x step / (per-step draft +
+    verify seconds): per-step overhead left out of the speculative side, so speedup / predicted_speedup
+    (`efficiency`) is the share of the forwards' promise the loop keeps. overhead_fraction = other_s / decode s of
+    the speculative run.
+    """
+    bp, sp = base.phases, spec.phases
+    if not bp.verify_forwards or not sp.verify_forwards or not decode_tokens(base) or not decode_tokens(spec):
+        return dict.fromkeys(("cost_ratio", "verify_cost_ratio", "predicted_speedup", "overhead_fraction"))
+    step = bp.decode_s / bp.verify_forwards
+    base_tokens_per_step = decode_tokens(base) / bp.verify_forwards
+    spec_tokens_per_step = decode_tokens(spec) / sp.verify_forwards
+    forwards_per_step = (sp.draft_s + sp.verify_s) / sp.verify_forwards
+    return {
+        "cost_ratio": sp.draft_s / sp.draft_forwards / step if sp.draft_forwards else None,
+        "verify_cost_ratio": sp.verify_s / sp.verify_forwards / step,
+        "predicted_speedup": spec_tokens_per_step / base_tokens_per_step * step / forwards_per_step,
+        "overhead_fraction": sp.other_s / sp.decode_s if sp.decode_s else None,
+    }
+
+
+def efficiency(speedup: float | None, predicted: float | None) -> float | None:
+    return speedup / predicted if speedup and predicted else None
+
+
+def paired_metrics(base_runs: Runs, spec_runs: Runs, gamma: int) -> dict:
+    """A speculative arm against target-only on the same units: acceptance (pooled over every call), in-run costs,
+    the paired speedup with its interval, efficiency (DESIGN.md names)."""
+    base, spec = pooled(base_runs), pooled(spec_runs)
+    agg = spec.aggregate()
+    costs = cost_model(base, spec)
+    paired = paired_speedup(base_runs, spec_runs)
+    alpha, c = agg["acceptance_rate"], costs["cost_ratio"]
+    return {
+        "acceptance_rate": alpha,
+        "mean_accepted_length": agg["mean_accepted_length"],
+        "nodes_per_step": agg["nodes_per_step"],
+        "per_position_acceptance": agg["per_position_acceptance"],
+        **costs,
+        "analytic_speedup": analytic_speedup(alpha, gamma, c) if alpha is not None and c is not None else None,
+        **paired,
+        "efficiency": efficiency(paired["speedup"], costs["predicted_speedup"]),
+    }
+
+
+# ------------------------------------------------------------------------------------------------- peak memory
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class PeakMemory:
+    """Peak memory while the block runs: CUDA's peak-allocated counter (reset on entry), else the process RSS
+    sampled every `interval_s` by a background thread (ru_maxrss is the process-lifetime peak, so a later setting
+    would inherit an earlier one's).
+
+        with PeakMemory(device) as peak:
+            run()
+        peak.bytes
+    """
+
+    def __init__(self, device: torch.device | str, interval_s: float = 0.005):
+        self.device, self.interval_s, self.bytes = torch.device(device), interval_s, 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif _rss_bytes() is not None:
+            self.bytes = _rss_bytes() or 0
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.bytes = max(self.bytes, _rss_bytes() or 0)
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.bytes = int(torch.cuda.max_memory_allocated(self.device))
+        elif self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.bytes = max(self.bytes, _rss_bytes() or 0)
+        else:  # no /proc: the lifetime peak is all there is (Linux reports KiB)
+            self.bytes = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

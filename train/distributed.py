@@ -1,0 +1,199 @@
+"""The multi-process pieces of the distillation recipe: FSDP teacher sharding and DeepSpeed (ZeRO-1/2).
+
+    N GPUs (FSDP):     accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes N \
+                           -m specdistill distill configs/llama-3.1-8b.yaml
+                       (the teacher is then sharded too: train.shard_teacher, see `shard_teacher`)
+    N GPUs (ZeRO-2):   accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml --num_processes N \
+                           -m specdistill distill configs/llama-3.1-8b.yaml       (see `configure_deepspeed`)
+
+The recipe (train/loop.py) calls each of these once, at a named point; with one process or plain DDP they return
+at once or are not called.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from train.checkpoint import ZERO_KEY, ZERO_RANKS, begin_staging, staging_dir, zero_file
+from train.config import TrainConfig
+
+# ----------------------------------------------------------------------------------------------------------------
+# Teacher placement
+
+
+def should_shard_teacher(setting: str, distributed_type: DistributedType, *, world: int, cache: bool) -> bool:
+    """train.shard_teacher resolved: auto shards exactly when accelerate shards the student (FSDP). There is nothing
+    to shard with one process or without a teacher in memory (offline cache)."""
+    if cache or world < 2:
+        return False
+    return setting == "always" or (setting == "auto" and distributed_type == DistributedType.FSDP)
+
+
+def shard_teacher(teacher, device: torch.device, world: int) -> str:
+    """Shard the teacher's weights over all `world` processes with FSDP2, in place, for inference only.
+
+    Each decoder layer (the model's `_no_split_modules` classes) becomes one FSDP unit, and so do untied input
+    embeddings and output head; the rest (final norm; a tied embedding/head) is the root unit, gathered for the whole
+    forward. A forward gathers the other units one at a time and frees each after (reshard_after_forward), so a
+    process holds 1/world of the teacher plus the root unit and one gathered unit, and the logits are those of the
+    full model. The parameters move to `device` shard by shard: load the teacher on the CPU first and the device
+    never holds a full copy. Every process must run the same number of teacher forwards (each one is a collective).
+    Returns a one-line summary for the log.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(teacher, FSDPModule):
+        raise ValueError("the teacher passed to distill() is already sharded; pass the unsharded model")
+    total = sum(p.numel() for p in teacher.parameters())
+    teacher.requires_grad_(False)
+    mesh = init_device_mesh(device.type, (world,))
+    unit_names = set(getattr(teacher, "_no_split_modules", None) or [])
+    units = [m for m in teacher.modules() if type(m).__name__ in unit_names]
+    embeddings, head = teacher.get_input_embeddings(), teacher.get_output_embeddings()
+    if embeddings is not None and head is not None and head.weight is not embeddings.weight:
+        units += [embeddings, head]  # a tied pair shares one tensor, which can live in one unit only: the root
+    for module in units:
+        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
+    local = sum(p.to_local().numel() for p in teacher.parameters())
+    return f"teacher sharded over {world} processes (FSDP2): {local:,} of {total:,} parameters on this one"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Resume agreement
+
+
+def check_same_checkpoint(path: Path | None, root: Path) -> None:
+    """Every rank read its checkpoint files itself (under DeepSpeed its own partition): all must resume the same
+    step, or none. A collective: every process calls it."""
+    picked = set(gather_object([str(path) if path else "none"]))
+    if len(picked) > 1:
+        raise ValueError(
+            f"the processes found different checkpoints to resume from ({', '.join(sorted(picked))}): a file "
+            f"only some ranks read is unreadable; delete the newest step folder in {root} and run again"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DeepSpeed (ZeRO-1/2 through `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`)
+
+
+def deepspeed_requested() -> bool:
+    """`accelerate launch` with a DeepSpeed config file exports this; the Accelerator then runs DeepSpeed."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def deepspeed_process_group(target_device: str, on_cuda: bool) -> list[InitProcessGroupKwargs] | None:
+    """The Accelerator's kwargs_handlers under DeepSpeed. DeepSpeed never runs with cpu=True: it takes the GPUs
+    whatever target.device says (refused here), and without CUDA its CPU accelerator, where gloo must be named."""
+    if target_device == "cpu" and torch.cuda.is_available():
+        raise ValueError(
+            "DeepSpeed takes this machine's GPUs whatever target.device says: drop target.device=cpu, or launch "
+            "without the DeepSpeed config file"
+        )
+    return None if on_cuda else [InitProcessGroupKwargs(backend="gloo")]
+
+
+def check_grad_accum(accelerator: Accelerator, tc: TrainConfig) -> None:
+    """train.grad_accum is the accumulation the loss is scaled for; accelerate lets a launcher config (the
+    ACCELERATE_GRADIENT_ACCUMULATION_STEPS variable, or DeepSpeed's gradient_accumulation_steps) replace it."""
+    if accelerator.gradient_accumulation_steps != tc.grad_accum:
+        raise ValueError(
+            f"the launcher config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps} but "
+            f"train.grad_accum={tc.grad_accum}: remove gradient_accumulation_steps from the accelerate / DeepSpeed "
+            "config file (train.grad_accum sets it)"
+        )
+
+
+def configure_deepspeed(plugin, tc: TrainConfig) -> None:
+    """Fill the DeepSpeed config from train.* before `prepare`.
+
+    The loop passes no DataLoader to `prepare`, so the micro-batch size is set here. DeepSpeed clips inside its own
+    step (accelerator.clip_grad_norm_ only reports the norm), so train.max_grad_norm becomes its gradient_clipping.
+    The accumulation steps come from the Accelerator. ZeRO-3 is refused: it shards the student's weights, which
+    the checkpoint and on-policy code here do not gather; FSDP does that (configs/accelerate/fsdp.yaml).
+    """
+    if plugin.zero_stage == 3:
+        raise ValueError(
+            "DeepSpeed ZeRO-3 is not supported by `specdistill distill`: use zero_stage 1 or 2 "
+            "(configs/accelerate/deepspeed_zero2.yaml), or configs/accelerate/fsdp.yaml to shard the student"
+        )
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
+    plugin.deepspeed_config["gradient_clipping"] = tc.max_grad_norm
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Optimizer state I/O: one full file, or one ZeRO partition per rank
+
+
+def optimizer_state(student, optimizer, *, deepspeed: bool, root: Path, step: int, is_main: bool) -> dict | None:
+    """The optimizer state for the main process to checkpoint (a collective: every process calls it).
+
+    DDP / FSDP / 1 process: the full state keyed by parameter name, gathered on the main process's CPU: the same
+    file whatever the process count. DeepSpeed: each rank writes ZeRO's own partition (its fp32 master weights and
+    Adam moments) into the step's staging folder itself, and None is returned.
+    """
+    if not deepspeed:
+        return get_optimizer_state_dict(
+            student, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    if is_main:
+        begin_staging(root, step)
+    torch.distributed.barrier()
+    rank = torch.distributed.get_rank()
+    torch.save(_to_cpu(student.optimizer.state_dict()), staging_dir(root, step) / zero_file(rank))
+    torch.distributed.barrier()
+    return None
+
+
+def _to_cpu(tree: Any) -> Any:
+    """`tree` (dicts, lists, tuples of tensors and other values) with every tensor copied to the CPU."""
+    if isinstance(tree, Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):  # a shallow copy keeps the mapping's type (OrderedDict, defaultdict)
+        out = copy.copy(tree)
+        for key, value in tree.items():
+            out[key] = _to_cpu(value)
+        return out
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
+        return type(tree)(*(_to_cpu(v) for v in tree))
+    if isinstance(tree, list | tuple):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
+
+
+def load_optimizer_state(student, optimizer, saved: dict, *, deepspeed: bool, world: int, path: Path) -> None:
+    """Restore what `optimizer_state` saved into the prepared student's optimizer."""
+    if deepspeed != (ZERO_KEY in saved):
+        written, now = ("DeepSpeed", "without") if ZERO_KEY in saved else ("without DeepSpeed", "under DeepSpeed")
+        raise ValueError(
+            f"checkpoint {path} holds an optimizer state written {written}, and this run is {now} it: resume with "
+            "the launcher config it was written with, or set train.resume=false to start over"
+        )
+    if not deepspeed:
+        set_optimizer_state_dict(student, optimizer, saved, options=StateDictOptions(full_state_dict=True))
+        return
+    if saved[ZERO_RANKS] != world:
+        raise ValueError(
+            f"checkpoint {path} holds DeepSpeed ZeRO optimizer partitions of {saved[ZERO_RANKS]} processes and this "
+            f"run has {world}: resume with {saved[ZERO_RANKS]} processes, or set train.resume=false to start over"
+        )
+    # DeepSpeed reads the entry of its own rank only (a rigid ZeRO-1/2 checkpoint). From the fp32 masters in the
+    # checkpoint, not the (possibly bf16) weights: the resume is exact.
+    rank = torch.distributed.get_rank()
+    partitions = [saved[ZERO_KEY] if r == rank else None for r in range(world)]
+    student.optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
