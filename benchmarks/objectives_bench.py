@@ -93,7 +93,7 @@ def main() -> None:
     print(
         f"\ntarget {cfg.target.model}; {tc.max_steps} steps x batch {tc.batch_size} x grad_accum {tc.grad_accum}, "
         f"lr {tc.lr:g} (warm-up {tc.warmup_steps}, cosine); data: {dc.max_prompts} prompts x {dc.num_samples} "
-        f"teacher samples of <= {dc.max_new_tokens} tokens; held-out: {dc.max_eval_prompts} prompts"
+        f"teacher samples of <= {dc.max_new_tokens} tokens; validation: {dc.max_validation_prompts} prompts"
     )
     print(
         "\n| candidate | objective | expected_acceptance before | after | greedy_match before | after | best step "

@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--target", default="embedded:smollm2-135m-instruct")
     parser.add_argument("--draft", default=None, help="draft folder; default: the target truncated to --draft-layers")
     parser.add_argument("--draft-layers", type=int, default=4)
-    parser.add_argument("--prompts", default="builtin:eval")
+    parser.add_argument("--prompts", default="builtin:test")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-gamma", type=int, default=6)

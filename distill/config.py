@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 OBJECTIVES = ("forward_kl", "reverse_kl", "jsd", "tv", "ce")
+
+
+def deprecated(message: str) -> None:
+    """One stderr line for a deprecated key or value that still works (the CLI's errors look the same)."""
+    print(f"specdistill: warning: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -14,12 +20,13 @@ class DataConfig:
     prompts: str = "builtin:train"
     """Training prompts: builtin:train, a JSONL/JSON/CSV/parquet file, a datasets folder, an HF dataset id, or
     self_instruct (the teacher writes its own prompts)."""
-    eval_prompts: str = "builtin:eval"
-    """Held-out prompts for validation during distillation (never trained on)."""
+    validation_prompts: str = "builtin:validation"
+    """Validation prompts: scored during distillation to pick the checkpoint (best/); never trained on, and
+    disjoint from the test prompts (eval.prompts)."""
     max_prompts: int = 0
     """Use at most this many training prompts (0 = all)."""
-    max_eval_prompts: int = 32
-    """Use at most this many held-out prompts for validation (0 = all)."""
+    max_validation_prompts: int = 32
+    """Use at most this many validation prompts (0 = all)."""
     self_instruct_count: int = 200
     """With prompts=self_instruct: how many unique prompts the teacher writes."""
     num_samples: int = 1
@@ -43,8 +50,18 @@ class DataConfig:
     teacher_cache_top_k: int = 32
     """k of the offline teacher cache."""
 
+    # Old key -> new key: YAML files and overrides with the old name still load, with a FutureWarning.
+    RENAMED: ClassVar[dict[str, str]] = {
+        "eval_prompts": "validation_prompts",
+        "max_eval_prompts": "max_validation_prompts",
+    }
+
     def __post_init__(self) -> None:
-        for name in ("max_prompts", "max_eval_prompts"):
+        if self.validation_prompts == "builtin:eval":  # the old default, since split into validation and test
+            deprecated("data.validation_prompts: builtin:eval is deprecated (split into builtin:validation and "
+                       "builtin:test); using builtin:validation")
+            self.validation_prompts = "builtin:validation"
+        for name in ("max_prompts", "max_validation_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = all), got {getattr(self, name)}")
         for name in (

@@ -12,10 +12,11 @@ From the command line (CPU, 1 GPU, N processes: each writes its own shards, rank
     torchrun --nproc_per_node 2 -m specdistill data configs/quickstart.yaml
 
 On disk, `<out_dir>/teacher-<fingerprint>/` (and `teacher-eval-<fingerprint>/`) is a `save_to_disk` folder finished
-by a `.complete` marker. While generating, shard i (prompts [i * shard_size, (i + 1) * shard_size)) is written to
-`shards/.tmp-shard-0000i` and renamed to `shards/shard-0000i`, so a killed run resumes at the first missing shard
-with nothing lost or repeated. Each batch samples with its own seeded generator, so a resumed run writes the same
-tokens an uninterrupted one would.
+by a `.complete` marker. The rows, every (prompt, sample) pair in order, are generated batch_size at a time, batch j
+with its own seeded generator, so the tokens depend neither on the process count nor on the shards. A shard is a run
+of whole batches (about shard_size prompts, fewer when that would leave a process without one), written to
+`shards/.tmp-shard-<first batch>` and renamed to `shards/shard-<first batch>`, so a killed run resumes at the first
+missing shard with nothing lost or repeated, and writes the same tokens an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +42,7 @@ from distill.config import DataConfig
 from distill.prompts import (
     PromptRecord,
     load_prompts,
+    overlap_count,
     render_chat,
     save_prompts,
     self_instruct_prompts,
@@ -50,7 +51,7 @@ from distill.prompts import (
 from specdec_runtime.atomic import staged_dir, write_text
 from specdec_runtime.engine import SamplingParams, generate
 
-FORMAT_VERSION = 1  # bump when the columns or the sampling scheme change, so old caches are not reused
+FORMAT_VERSION = 2  # bump when the columns or the sampling scheme change, so old caches are not reused
 COMPLETE = ".complete"
 SELF_INSTRUCT = "self_instruct"
 # Prompt writing needs diversity whatever temperature the answers are sampled at.
@@ -67,8 +68,12 @@ class TeacherData:
     """Teacher answers to the held-out prompts, same format, for validation."""
 
 
-def features(top_k: int | None) -> datasets.Features:
-    """Column types of the data; the top-k columns only when the offline teacher cache is on (top_k = K)."""
+AUX_HIDDEN = "aux_hidden"  # offline cache for EAGLE-3 heads: (tokens, n_aux * H) fp16, every prompt + response position
+
+
+def features(top_k: int | None, aux_width: int | None = None) -> datasets.Features:
+    """Column types of the data; the top-k columns only when the offline teacher cache is on (top_k = K), the aux
+    hidden states (n_aux * H wide) only when it also stores them for EAGLE-3 candidates."""
     cols = {
         "id": datasets.Value("string"),  # "<prompt id>#<sample>"
         "category": datasets.Value("string"),
@@ -78,6 +83,8 @@ def features(top_k: int | None) -> datasets.Features:
     if top_k is not None:  # one row of K per response token
         cols["topk_ids"] = datasets.List(datasets.List(datasets.Value("int32"), length=top_k))
         cols["topk_logprobs"] = datasets.List(datasets.List(datasets.Value("float16"), length=top_k))
+    if aux_width is not None:  # one row per token of prompt + response: every position is an EAGLE-3 key
+        cols[AUX_HIDDEN] = datasets.List(datasets.List(datasets.Value("float16"), length=aux_width))
     return datasets.Features(cols)
 
 
@@ -96,14 +103,18 @@ def generate_teacher_data(
     rank: int = 0,
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
+    aux_layers: list[int] | None = None,
 ) -> TeacherData:
     """Generate (or find cached) teacher answers to the training and held-out prompts.
 
-    The eval split is never trained on: training prompts that also appear in `cfg.eval_prompts` (all of it, not
-    only the first max_eval_prompts) are dropped, and the count is printed.
+    `aux_layers` (HF output_hidden_states indices): with the offline cache on, also store the teacher's hidden
+    states there, fp16, at every position (`AUX_HIDDEN`), for EAGLE-3 candidates that train from the cache.
+
+    Validation prompts are never trained on: training prompts that also appear in `cfg.validation_prompts` (all of
+    it, not only the first max_validation_prompts) are dropped, and the count is printed.
 
     `teacher_id` identifies the teacher weights (spec + resolved folder) in the fingerprint. With world_size > 1,
-    shard i is written by rank i % world_size and rank 0 merges; `barrier` (e.g. `accelerator.wait_for_everyone`)
+    the i-th shard is written by rank i % world_size and rank 0 merges; `barrier` (e.g. `accelerator.wait_for_everyone`)
     must be passed when the ranks run concurrently, so rank 0 merges only once every shard is written.
     """
     if not 0 <= rank < world_size:
@@ -120,11 +131,11 @@ def generate_teacher_data(
         train_records = _self_instruct_records(teacher, tokenizer, barrier=barrier, **job)
     else:
         train_records = load_prompts(cfg.prompts)
-    eval_records = load_prompts(cfg.eval_prompts)
+    eval_records = load_prompts(cfg.validation_prompts)
     train_records = drop_held_out(train_records, eval_records, log=print if rank == 0 else None)
     splits = {
         "teacher": (cfg.prompts, train_records[: cfg.max_prompts or None]),
-        "teacher-eval": (cfg.eval_prompts, eval_records[: cfg.max_eval_prompts or None]),
+        "teacher-eval": (cfg.validation_prompts, eval_records[: cfg.max_validation_prompts or None]),
     }
     prompt_ids = {}
     for split, (source, records) in splits.items():  # every check before any generation
@@ -135,7 +146,14 @@ def generate_teacher_data(
     with _datasets_bars_off():
         paths = {
             split: _generate_split(
-                split, records, prompt_ids[split], teacher, world_size=world_size, barrier=barrier, **job
+                split,
+                records,
+                prompt_ids[split],
+                teacher,
+                world_size=world_size,
+                barrier=barrier,
+                aux_layers=aux_layers if cfg.teacher_cache else None,
+                **job,
             )
             for split, (_, records) in splits.items()
         }
@@ -216,12 +234,35 @@ def check_context(teacher, records: list[PromptRecord], prompt_ids: list[list[in
 
 
 def training_prompts(cfg: DataConfig) -> list[PromptRecord] | None:
-    """The prompts the `data` stage answers for training: data.prompts without the held-out data.eval_prompts, the
+    """The prompts the `data` stage answers for training: data.prompts without the data.validation_prompts, the
     first data.max_prompts of them; None for self_instruct (the teacher writes those at data time)."""
     if cfg.prompts == SELF_INSTRUCT:
         return None
-    kept = drop_held_out(load_prompts(cfg.prompts), load_prompts(cfg.eval_prompts), log=None)
+    kept = drop_held_out(load_prompts(cfg.prompts), load_prompts(cfg.validation_prompts), log=None)
     return kept[: cfg.max_prompts or None]
+
+
+def validation_prompts(cfg: DataConfig) -> list[PromptRecord]:
+    """The prompts the `data` stage answers for validation (checkpoint selection, best/): the first
+    data.max_validation_prompts of data.validation_prompts."""
+    return load_prompts(cfg.validation_prompts)[: cfg.max_validation_prompts or None]
+
+
+def check_test_prompts(cfg: DataConfig, test: Sequence[PromptRecord], source: str) -> None:
+    """Refuse test prompts (eval.prompts=`source`) that the drafts were trained or selected on: compared with the
+    training and validation prompts the data stage answers, by `prompt_key` as `drop_held_out` does. A self_instruct
+    run's training prompts are written at data time and are not checked."""
+    roles = {
+        f"training prompts (data.prompts={cfg.prompts})": training_prompts(cfg) or [],
+        f"validation prompts (data.validation_prompts={cfg.validation_prompts})": validation_prompts(cfg),
+    }
+    shared = {role: n for role, records in roles.items() if (n := overlap_count(test, records))}
+    if shared:
+        overlaps = " and ".join(f"{n} with the {role}" for role, n in shared.items())
+        raise ValueError(
+            f"{len(test)} test prompts (eval.prompts={source}) share {overlaps}; test prompts must be unseen by "
+            "training and checkpoint selection: point eval.prompts at a disjoint set (e.g. builtin:test)"
+        )
 
 
 def drop_held_out(
@@ -231,13 +272,13 @@ def drop_held_out(
     kept = without_prompts(records, held_out)
     if len(kept) < len(records) and log is not None:
         log(
-            f"data: dropped {len(records) - len(kept)} of {len(records)} training prompts that are also held-out "
-            "eval prompts (data.eval_prompts): the eval split is never trained on"
+            f"data: dropped {len(records) - len(kept)} of {len(records)} training prompts that are also validation "
+            "prompts (data.validation_prompts): validation prompts are never trained on"
         )
     if records and not kept:
         raise ValueError(
-            "every training prompt is also a held-out eval prompt; point data.prompts and data.eval_prompts at "
-            "disjoint sets (e.g. builtin:train and builtin:eval)"
+            "every training prompt is also a validation prompt; point data.prompts and data.validation_prompts at "
+            "disjoint sets (e.g. builtin:train and builtin:validation)"
         )
     return kept
 
@@ -261,8 +302,19 @@ def shards_for_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
     return list(range(rank, num_shards, world_size))
 
 
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}"
+def shard_name(first_batch: int) -> str:
+    return f"shard-{first_batch:05d}"
+
+
+def shard_spans(num_rows: int, cfg: DataConfig, world_size: int) -> list[tuple[int, slice]]:
+    """(first batch, row span) of every shard: runs of whole batches of about data.shard_size prompts, fewer when
+    that would leave a process without a shard (300 prompts in shards of 256 would be 2 shards for 8 GPUs, and 6
+    GPUs waiting for 2 in a barrier)."""
+    num_batches = math.ceil(num_rows / cfg.batch_size)
+    wanted = math.ceil(cfg.shard_size * cfg.num_samples / cfg.batch_size)
+    per_shard = max(1, min(wanted, num_batches // world_size))
+    bs = cfg.batch_size
+    return [(b, slice(b * bs, min(num_rows, (b + per_shard) * bs))) for b in range(0, num_batches, per_shard)]
 
 
 def render_prompts(tokenizer, records: list[PromptRecord], max_prompt_tokens: int) -> list[list[int]]:
@@ -288,15 +340,16 @@ def fingerprint(
     teacher_dtype: str,
     seed: int,
     stop_ids: list[int],
+    aux_layers: list[int] | None = None,
 ) -> str:
-    """sha256[:12] over everything that decides the written tokens, and nothing else.
+    """sha256[:12] over everything that decides the written tokens (and cached aux layers), and nothing else.
 
-    batch_size and shard_size are in it because each batch samples from its own generator: regrouping the rows
-    changes which random numbers each row sees.
+    batch_size is in it because each batch samples from its own generator: regrouping the rows changes which random
+    numbers each row sees. shard_size is not: shards are runs of whole batches.
     """
     settings = {
         name: getattr(cfg, name)
-        for name in ("num_samples", "max_new_tokens", "temperature", "top_k", "top_p", "batch_size", "shard_size")
+        for name in ("num_samples", "max_new_tokens", "temperature", "top_k", "top_p", "batch_size")
     }
     key = {
         "format": FORMAT_VERSION,
@@ -309,12 +362,15 @@ def fingerprint(
         "teacher_cache": cfg.teacher_cache_top_k if cfg.teacher_cache else 0,
         "prompts": [[r.id, r.category, r.messages, ids] for r, ids in zip(records, prompt_ids)],
     }
+    if aux_layers:  # only then: data generated before EAGLE-3 keeps its fingerprint
+        key["aux_layers"] = aux_layers
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def batch_seed(seed: int, split: str, shard: int, batch: int) -> int:
-    """A seed per (split, shard, batch): a shard's tokens never depend on which rank or which run wrote it."""
-    digest = hashlib.sha256(f"{seed}/{split}/{shard}/{batch}".encode()).digest()
+def batch_seed(seed: int, split: str, first: int, batch: int) -> int:
+    """The seed of batch `batch` of the shard starting at batch `first`, one per (split, first + batch): the tokens
+    never depend on the shard layout, the process count, or which run wrote them."""
+    digest = hashlib.sha256(f"{seed}/{split}/{first + batch}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1  # manual_seed takes a non-negative int64
 
 
@@ -336,55 +392,65 @@ def _generate_split(
     rank: int,
     world_size: int,
     barrier: Callable[[], None] | None,
+    aux_layers: list[int] | None,
 ) -> Path:
     dtype = str(next(teacher.parameters()).dtype)
-    root = out_dir / f"{split}-{fingerprint(split, records, prompt_ids, cfg, teacher_id, dtype, seed, stop_ids)}"
+    key = fingerprint(split, records, prompt_ids, cfg, teacher_id, dtype, seed, stop_ids, aux_layers)
+    root = out_dir / f"{split}-{key}"
+    aux_width = len(aux_layers) * teacher.config.hidden_size if aux_layers else None
     if (root / COMPLETE).is_file():
         if rank == 0:
             print(f"{split}: cached, {_summary(json.loads((root / COMPLETE).read_text()), root)}")
         return root
 
-    num_shards = math.ceil(len(records) / cfg.shard_size)
-    todo = [i for i in shards_for_rank(num_shards, rank, world_size) if not (root / "shards" / shard_name(i)).is_dir()]
-    rows_per_shard = [min(cfg.shard_size, len(records) - i * cfg.shard_size) * cfg.num_samples for i in todo]
-    with tqdm(total=sum(rows_per_shard), desc=split, unit="seq", disable=rank != 0) as bar:
-        for i in todo:
-            span = slice(i * cfg.shard_size, (i + 1) * cfg.shard_size)
+    rows = [(r, ids, s) for r, ids in zip(records, prompt_ids) for s in range(cfg.num_samples)]
+    shards = shard_spans(len(rows), cfg, world_size)
+    mine = [shards[i] for i in shards_for_rank(len(shards), rank, world_size)]
+    todo = [(b, span) for b, span in mine if not _shard_done(root / "shards" / shard_name(b), span)]
+    with tqdm(total=sum(span.stop - span.start for _, span in todo), desc=split, unit="seq", disable=rank != 0) as bar:
+        for b, span in todo:
             columns = _generate_shard(
                 teacher,
-                records[span],
-                prompt_ids[span],
+                rows[span],
                 cfg,
                 stop_ids,
-                functools.partial(batch_seed, seed, split, i),
+                functools.partial(batch_seed, seed, split, b),
                 bar.update,
+                aux_layers,
             )
             _write_atomic(
-                datasets.Dataset.from_dict(columns, features=features(_cache_k(cfg))), root / "shards" / shard_name(i)
+                datasets.Dataset.from_dict(columns, features=features(_cache_k(cfg), aux_width)),
+                root / "shards" / shard_name(b),
             )
     if barrier is not None:
         barrier()
     if rank == 0:
-        summary = _merge(root, num_shards, num_prompts=len(records), num_samples=cfg.num_samples)
+        names = [shard_name(b) for b, _ in shards]
+        summary = _merge(root, names, num_prompts=len(records), num_samples=cfg.num_samples, aux_layers=aux_layers)
         print(f"{split}: {_summary(summary, root)}")
     if barrier is not None:
         barrier()  # the other ranks return only once the merged dataset exists
     return root
 
 
+def _shard_done(path: Path, span: slice) -> bool:
+    """The shard is written with this layout (another process count lays out other shards, whose leftovers are
+    redone or, unnamed now, dropped with shards/)."""
+    return path.is_dir() and datasets.load_from_disk(str(path)).num_rows == span.stop - span.start
+
+
 def _generate_shard(
     teacher,
-    records: list[PromptRecord],
-    prompt_ids: list[list[int]],
+    rows: list[tuple[PromptRecord, list[int], int]],
     cfg: DataConfig,
     stop_ids: list[int],
     seed_of: Callable[[int], int],
     progress: Callable[[int], object],
+    aux_layers: list[int] | None = None,
 ) -> dict:
-    """Columns of one shard: every (prompt, sample) row, generated batch_size sequences at a time."""
-    rows = [(r, ids, s) for r, ids in zip(records, prompt_ids) for s in range(cfg.num_samples)]
+    """Columns of one shard: its (prompt, prompt ids, sample) rows, generated batch_size sequences at a time."""
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    columns: dict[str, list] = {name: [] for name in features(_cache_k(cfg))}
+    columns: dict[str, list] = {name: [] for name in features(_cache_k(cfg), 1 if aux_layers else None)}
     for b, start in enumerate(range(0, len(rows), cfg.batch_size)):
         batch = rows[start : start + cfg.batch_size]
         generator = torch.Generator(device=teacher.device).manual_seed(seed_of(b))
@@ -403,30 +469,36 @@ def _generate_shard(
         columns["input_ids"] += [np.asarray(seq, dtype=np.int32) for seq in seqs]
         columns["prompt_len"] += [len(ids) for _, ids, _ in batch]
         if cfg.teacher_cache:
-            logprobs, ids = _teacher_topk(teacher, seqs, [len(ids) for _, ids, _ in batch], cfg.teacher_cache_top_k)
+            prompt_lens, k = [len(ids) for _, ids, _ in batch], cfg.teacher_cache_top_k
+            logprobs, ids, aux = _teacher_topk(teacher, seqs, prompt_lens, k, aux_layers)
             columns["topk_logprobs"] += logprobs
             columns["topk_ids"] += ids
+            if aux_layers:
+                columns[AUX_HIDDEN] += aux
         progress(len(batch))
     return columns
 
 
 def _teacher_topk(
-    teacher, seqs: list[list[int]], prompt_lens: list[int], k: int
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """One teacher forward over prompt + response rows -> per row (R, K) fp16 log-probs and (R, K) int32 ids.
+    teacher, seqs: list[list[int]], prompt_lens: list[int], k: int, aux_layers: list[int] | None = None
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray] | None]:
+    """One teacher forward over prompt + response rows -> per row (R, K) fp16 log-probs and (R, K) int32 ids, and
+    with `aux_layers` the (len(seq), n_aux * H) fp16 hidden states of those layers (their inputs) at every position.
 
-    Row j of a sequence's arrays is the distribution that predicted its token prompt_len + j.
+    Row j of a sequence's top-k arrays is the distribution that predicted its token prompt_len + j.
     """
     T = max(len(s) for s in seqs)
     # Right padding needs no attention mask: under causal attention, pads after a token cannot change its logits.
     x = torch.tensor([s + [0] * (T - len(s)) for s in seqs], device=teacher.device)  # (B, T)
     first = min(prompt_lens) - 1  # earliest position whose logits predict a response token
     with torch.inference_mode():
-        logits = teacher(input_ids=x, logits_to_keep=T - first).logits[:, :-1]  # (B, T - 1 - first, V)
-        logprobs, ids = topk_from_logits(logits, k)  # (B, T - 1 - first, K) each
+        out = teacher(input_ids=x, logits_to_keep=T - first, output_hidden_states=bool(aux_layers))
+        logprobs, ids = topk_from_logits(out.logits[:, :-1], k)  # (B, T - 1 - first, K) each
+        aux = torch.cat([out.hidden_states[i] for i in aux_layers], -1).half().cpu().numpy() if aux_layers else None
     logprobs, ids = logprobs.cpu().numpy(), ids.cpu().numpy()
     spans = [slice(p - 1 - first, len(s) - 1 - first) for s, p in zip(seqs, prompt_lens)]
-    return [logprobs[b, span] for b, span in enumerate(spans)], [ids[b, span] for b, span in enumerate(spans)]
+    rows = [aux[b, : len(s)] for b, s in enumerate(seqs)] if aux is not None else None
+    return [logprobs[b, span] for b, span in enumerate(spans)], [ids[b, span] for b, span in enumerate(spans)], rows
 
 
 def _write_atomic(ds: datasets.Dataset, path: Path) -> None:
@@ -435,9 +507,9 @@ def _write_atomic(ds: datasets.Dataset, path: Path) -> None:
         ds.save_to_disk(str(tmp))
 
 
-def _merge(root: Path, num_shards: int, *, num_prompts: int, num_samples: int) -> dict:
+def _merge(root: Path, shards: list[str], *, num_prompts: int, num_samples: int, aux_layers=None) -> dict:
     """Concatenate the shards into `root`, write the marker last, then drop the shards."""
-    paths = [root / "shards" / shard_name(i) for i in range(num_shards)]
+    paths = [root / "shards" / name for name in shards]
     missing = [p.name for p in paths if not p.is_dir()]
     if missing:
         raise RuntimeError(
@@ -451,6 +523,9 @@ def _merge(root: Path, num_shards: int, *, num_prompts: int, num_samples: int) -
     summary = {"prompts": num_prompts, "samples": num_samples, "rows": len(ds), "response_tokens": tokens}
     if "topk_ids" in ds.column_names:
         summary["cache_bytes_per_token"] = _cache_payload(ds.data)["bytes_per_token"]
+    if AUX_HIDDEN in ds.column_names:  # fp16 values over every position, per response token like the top-k
+        values = pc.list_flatten(pc.list_flatten(ds.data.column(AUX_HIDDEN)))
+        summary |= {"aux_layers": aux_layers, "aux_bytes_per_token": len(values) * 2 / max(tokens, 1)}
     write_text(root / COMPLETE, json.dumps(summary))
     shutil.rmtree(root / "shards", ignore_errors=True)
     return summary
@@ -462,6 +537,11 @@ def _summary(summary: dict, root: Path) -> str:
         f"{summary['prompts']} prompts x {summary['samples']} samples = {summary['rows']} sequences, "
         f"{summary['response_tokens']} response tokens"
         + (f", offline teacher cache {cache:.0f} bytes/token" if cache is not None else "")
+        + (
+            f", aux hidden states of layers {summary['aux_layers']} {summary['aux_bytes_per_token']:.0f} bytes/token"
+            if "aux_layers" in summary
+            else ""
+        )
         + f" -> {root}"
     )
 
@@ -519,9 +599,7 @@ def _self_instruct_records(
             return [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
 
         records = self_instruct_prompts(generate_fn, cfg.self_instruct_count, seed, batch_size=cfg.batch_size)
-        tmp = path.with_name(f".tmp-{path.name}")
-        save_prompts(records, tmp)
-        os.replace(tmp, path)
+        save_prompts(records, path)  # atomic: a crash never leaves half a prompt file that is then reused
         print(f"{SELF_INSTRUCT}: the teacher wrote {len(records)} prompts -> {path}")
     if barrier is not None:
         barrier()

@@ -5,11 +5,19 @@ with the teacher's chat template (`render_chat`) and answers. Accepted sources:
 
     load_prompts("prompts.jsonl")          # also .json ([...] or {"data": [...]}), .csv, .parquet
     load_prompts("my_prompts_dataset/")    # saved with datasets' save_to_disk (a DatasetDict needs split=...)
-    load_prompts("builtin")                # the shipped set; "builtin:train" / "builtin:eval" are its fixed splits
+    load_prompts("builtin")                # every shipped prompt; builtin:train / :validation / :test are its splits
     load_prompts("owner/name", split="test")   # HF hub dataset (needs network or a warm datasets cache)
 
 Record fields: `prompt`, `messages` ({role, content} list), or `turns` (Spec-Bench / MT-bench user turns), with
 `instruction` (+ `input`) and `question` as aliases of `prompt`; `question_id` / `id` and `category` are kept.
+
+The shipped set has three fixed, disjoint splits, one per prompt role (DESIGN.md "Metric definitions"):
+`builtin:train` (distillation), `builtin:validation` (checkpoint selection, `best/`) and `builtin:test` (the eval
+sweep and the promotion's confirmation). The train split is the one every earlier version shipped (90 % of
+specdistill_prompts.jsonl by category); its held-out 10 % is halved by category into validation and test, and the
+test split adds the prompts of specdistill_test_prompts.jsonl, written for it, so that every category has six test
+prompts. The held-out splits come ordered round-robin over categories, two prompts at a time
+(`interleave_categories`), so the first N prompts span the categories.
 """
 
 import csv
@@ -24,14 +32,18 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specdec_runtime.atomic import write_text
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ACCEPTED_FIELDS = ("prompt", "messages", "turns", "instruction", "question")
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 ROLES = ("system", "user", "assistant")
-BUILTIN_EVAL_FRACTION = 0.1
+BUILTIN_SPLITS = ("train", "validation", "test")
+BUILTIN_HELD_OUT_FRACTION = 0.1  # of specdistill_prompts.jsonl; the rest is builtin:train, as in every version
 BUILTIN_SEED = 0
+BUILTIN_TEST_SEED = 1  # halves the held-out part into validation and test
 
 
 @dataclass
@@ -53,10 +65,10 @@ class PromptRecord:
 
 
 def load_prompts(source: str | Path, *, split: str | None = None, limit: int | None = None) -> list[PromptRecord]:
-    """Load prompts from a file, a `datasets` folder, 'builtin[:train|:eval]' or a hub dataset id.
+    """Load prompts from a file, a `datasets` folder, 'builtin[:train|:validation|:test]' or a hub dataset id.
 
-    `split` picks a split of a DatasetDict folder or hub dataset, or 'train' / 'eval' of the builtin set;
-    `limit` keeps the first N records.
+    `split` picks a split of a DatasetDict folder or hub dataset, or 'train' / 'validation' / 'test' of the builtin
+    set; `limit` keeps the first N records.
     """
     source = str(source)
     if limit is not None and limit < 1:
@@ -98,27 +110,52 @@ def records_from_rows(rows: Sequence[Any], name: str) -> list[PromptRecord]:
 
 
 def save_prompts(records: Sequence[PromptRecord], path: str | Path) -> None:
-    """Write records as JSONL that `load_prompts` reads back unchanged (used for the run's prompt splits)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for r in records:
-            row = {k: v for k, v in asdict(r).items() if v is not None}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    """Write records atomically as JSONL that `load_prompts` reads back unchanged (the run's prompt files)."""
+    rows = ({k: v for k, v in asdict(r).items() if v is not None} for r in records)
+    write_text(Path(path), "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def _load_builtin(name: str | None, split: str | None) -> list[PromptRecord]:
     if name and split and name != split:
         raise ValueError(f"'builtin:{name}' conflicts with split={split!r}")
     which = name or split
-    if which not in (None, "train", "eval"):
-        raise ValueError(f"unknown builtin split {which!r}; use 'builtin', 'builtin:train' or 'builtin:eval'")
-    text = resources.files("distill").joinpath("prompts/specdistill_prompts.jsonl").read_text(encoding="utf-8")
-    records = records_from_rows(_parse_jsonl(text, "builtin"), "builtin")
+    if which == "eval":  # it held both of today's validation and test prompts: no single meaning to map it to
+        raise ValueError(
+            "builtin:eval was split into builtin:validation (checkpoint selection: data.validation_prompts) and "
+            "builtin:test (eval sweep and bench: eval.prompts); use one of them"
+        )
+    if which not in (None, *BUILTIN_SPLITS):
+        raise ValueError(f"unknown builtin split {which!r}; use 'builtin' or builtin:{{{','.join(BUILTIN_SPLITS)}}}")
+    records = _read_builtin_file("specdistill_prompts.jsonl")
+    extra_test = _read_builtin_file("specdistill_test_prompts.jsonl")
     if which is None:
-        return records
-    train, eval_ = split_prompts(records, BUILTIN_EVAL_FRACTION, BUILTIN_SEED)
-    return train if which == "train" else eval_
+        return records + extra_test
+    train, held_out = split_prompts(records, BUILTIN_HELD_OUT_FRACTION, BUILTIN_SEED)
+    validation, test = split_prompts(held_out, 0.5, BUILTIN_TEST_SEED)
+    splits = {
+        "train": train,
+        # Pairs of a category, round-robin: the first N span the categories, and the eval sweep's alternate halves
+        # (selection, confirmation) hold the same ones.
+        "validation": interleave_categories(validation, 2),
+        "test": interleave_categories(test + extra_test, 2),
+    }
+    return splits[which]
+
+
+def _read_builtin_file(name: str) -> list[PromptRecord]:
+    text = resources.files("distill").joinpath(f"prompts/{name}").read_text(encoding="utf-8")
+    return records_from_rows(_parse_jsonl(text, f"builtin ({name})"), f"builtin ({name})")
+
+
+def interleave_categories(records: Sequence[PromptRecord], run: int = 1) -> list[PromptRecord]:
+    """Records ordered round-robin over categories (first-seen order), `run` at a time from each, so the first N
+    span the categories; with run=2 the even and odd positions (the eval sweep's selection and confirmation halves)
+    hold the same categories. Order inside a category is kept."""
+    by_category: dict[str, list[PromptRecord]] = {}
+    for r in records:
+        by_category.setdefault(r.category, []).append(r)
+    rounds = max((len(v) for v in by_category.values()), default=0)
+    return [r for k in range(0, rounds, run) for group in by_category.values() for r in group[k : k + run]]
 
 
 def _looks_like_path(source: str) -> bool:
@@ -309,9 +346,15 @@ def prompt_key(record: PromptRecord) -> tuple:
 
 
 def without_prompts(records: Sequence[PromptRecord], others: Sequence[PromptRecord]) -> list[PromptRecord]:
-    """`records` minus those whose messages also appear in `others` (order kept): keeps train and eval disjoint."""
+    """`records` minus those whose messages also appear in `others` (order kept): keeps train and validation
+    disjoint."""
     keys = {prompt_key(r) for r in others}
     return [r for r in records if prompt_key(r) not in keys]
+
+
+def overlap_count(records: Sequence[PromptRecord], others: Sequence[PromptRecord]) -> int:
+    """How many of `records` also appear in `others`, compared by `prompt_key` (as `without_prompts` does)."""
+    return len(records) - len(without_prompts(records, others))
 
 
 # ---------------------------------------------------------------------------------------------------------------

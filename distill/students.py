@@ -30,8 +30,9 @@ LLAMA_LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 @dataclass
 class DraftConfig:
-    init: Literal["truncate", "config", "pretrained"] = "truncate"
-    """How the draft starts: truncate the target's layers, a smaller random config, or a pretrained small model."""
+    init: Literal["truncate", "config", "pretrained", "eagle3"] = "truncate"
+    """How the draft starts: truncate the target's layers, a smaller random config, a pretrained small model, or an
+    EAGLE-3 head (one layer fed with the target's hidden states, reduced vocabulary; distill/eagle3.py)."""
     layers: list[int] | None = None
     """truncate: the target layer indices to keep (strictly increasing); None = `num_layers` evenly spaced."""
     num_layers: int = 4
@@ -56,10 +57,23 @@ class DraftConfig:
     """Dropout on the LoRA branch input during training."""
     lora_target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_MODULES))
     """Names of the linear modules that get adapters (Llama-family names by default)."""
+    aux_layers: list[int] | None = None
+    """eagle3: the 3 target layers whose inputs feed the head (HF output_hidden_states indices, in [1, L - 1]);
+    None = [2, L // 2, L - 3], the default vLLM and SGLang assume."""
+    draft_vocab_size: int = 8192
+    """eagle3: tokens of the draft vocabulary, the most frequent ones of the teacher's responses (clipped to the
+    target's vocabulary); counted once per candidate and stored with it, never rebuilt on resume."""
+    ttt_depth: int = 5
+    """eagle3: training-time-test steps unrolled per position (EAGLE and SpecForge use 7, speculators 3)."""
+    ttt_decay: float = 0.8
+    """eagle3: weight of unrolled step j's loss is ttt_decay ** j (EAGLE-3: 0.8)."""
+    freeze_lm_head: bool = False
+    """eagle3: keep lm_head at the target's rows of the draft vocabulary (as speculators does); false trains it
+    (as EAGLE does)."""
 
     def __post_init__(self) -> None:
-        if self.init not in ("truncate", "config", "pretrained"):
-            raise ValueError(f"init must be one of truncate, config, pretrained; got {self.init!r}")
+        if self.init not in ("truncate", "config", "pretrained", "eagle3"):
+            raise ValueError(f"init must be one of truncate, config, pretrained, eagle3; got {self.init!r}")
         if self.layers is not None:
             if self.init != "truncate":
                 raise ValueError(f"layers is only used by init=truncate, got init={self.init}")
@@ -87,6 +101,21 @@ class DraftConfig:
             )
         if not self.lora_target_modules:
             raise ValueError("lora_target_modules must name at least one module")
+        self._check_eagle3()
+
+    def _check_eagle3(self) -> None:
+        if self.aux_layers is not None:
+            if self.init != "eagle3":
+                raise ValueError(f"aux_layers is only used by init=eagle3, got init={self.init}")
+            if len(self.aux_layers) != 3 or any(i < 1 for i in self.aux_layers):
+                raise ValueError(f"aux_layers must be 3 layer indices >= 1 (or None), got {self.aux_layers}")
+        if self.init == "eagle3" and self.lora:
+            raise ValueError("lora does not apply to init=eagle3 (the head is small and trains in full)")
+        if self.draft_vocab_size < 1 or self.ttt_depth < 1 or not 0 < self.ttt_decay <= 1:
+            raise ValueError(
+                f"need draft_vocab_size >= 1, ttt_depth >= 1, 0 < ttt_decay <= 1; got {self.draft_vocab_size}, "
+                f"{self.ttt_depth}, {self.ttt_decay}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -10,8 +11,9 @@ from specdec_runtime.tree import parse_tree
 
 @dataclass
 class EvalConfig:
-    prompts: str = "builtin:eval"
-    """Eval prompts: builtin:eval, or a prompt file (prompt / messages / Spec-Bench turns), or a datasets folder."""
+    prompts: str = "builtin:test"
+    """Test prompts (the sweep and the confirmation): builtin:test, a prompt file (prompt / messages / Spec-Bench
+    turns) or a datasets folder; a run refuses them when they overlap its training or validation prompts."""
     max_prompts: int = 32
     """Evaluate at most this many prompts (0 = all)."""
     num_draft_tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7, 8])
@@ -34,6 +36,14 @@ class EvalConfig:
     """Untimed warm-up calls per arm before each setting, on the batch holding the longest prompt."""
 
     def __post_init__(self) -> None:
+        if self.prompts == "builtin:eval":  # the old default, since split into validation and test
+            print(
+                "specdistill: warning: eval.prompts: builtin:eval is deprecated (split into builtin:validation and "
+                "builtin:test); using builtin:test",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.prompts = "builtin:test"
         if self.max_prompts < 0:
             raise ValueError(f"max_prompts must be >= 0 (0 = all), got {self.max_prompts}")
         if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:

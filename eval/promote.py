@@ -12,6 +12,7 @@ promotions, so both of two simultaneous promotions land in the history.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import fcntl
 import json
@@ -166,7 +167,7 @@ def build_serving(old: dict, report: dict, report_path: Path, draft: str | None,
     """The new serving config: `old` with target, speculative and engines replaced and one history entry added.
     `measured` holds the confirmation split's numbers (the ones the decision was made on), with their interval."""
     rec = report["recommendation"]
-    measured = {k: rec["confirmation"].get(k) for k in MEASURED_KEYS}
+    measured = copy.deepcopy({k: rec["confirmation"].get(k) for k in MEASURED_KEYS})  # no list shared with rec
     measured["eval_report"] = str(Path(report_path).resolve())
     if rec["enabled"]:
         speculative = {
@@ -190,7 +191,7 @@ def build_serving(old: dict, report: dict, report_path: Path, draft: str | None,
         "draft": draft if rec["enabled"] else None,
         "enabled": bool(rec["enabled"]),
         "num_draft_tokens": rec["num_draft_tokens"] if rec["enabled"] else None,
-        "measured": dict(measured),  # a copy: a shared object would be dumped as a YAML anchor/alias
+        "measured": copy.deepcopy(measured),  # a copy: a shared object would be dumped as a YAML anchor/alias
         "replaced": previous.get("draft") if previous.get("enabled") else None,
     }
     new = {k: v for k, v in old.items() if k not in OWNED_KEYS}

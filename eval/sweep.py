@@ -291,8 +291,12 @@ def evaluate(
         )
     trees = {spec: tree_size(parse_tree(spec))[0] for spec in cfg.trees}  # spec -> depth
     batch = min(cfg.batch_sizes)
-    points = [Setting(t, r, g, None, batch) for t, r in groups for g in cfg.num_draft_tokens]
-    points += [Setting(t, r, depth, spec, batch) for t, r in groups for spec, depth in trees.items()]
+    points = [  # per (temperature, draft_rule): the chains, then the trees
+        point
+        for t, r in groups
+        for point in [Setting(t, r, g, None, batch) for g in cfg.num_draft_tokens]
+        + [Setting(t, r, depth, spec, batch) for spec, depth in trees.items()]
+    ]
     bar = tqdm(total=len(candidates) * len(points), desc="eval", disable=not progress or rank != 0)
     fast_target = fast_model(target)
     bench = Bench(fast_target, cfg.max_new_tokens, stop_token_ids(target, tokenizer), seed, cfg.repeats, cfg.warmup)
@@ -465,29 +469,20 @@ def _setting(point: Setting, rows: list[dict], offline: float, cfg: EvalConfig) 
 
 def _target_only(parts: list[dict], temperature: float) -> dict:
     """Target-only decoding at one temperature, pooled over every setting's paired runs at that temperature."""
-    calls = [
-        unit_call
+    rows = [
+        cand["rows"][i]
         for part in parts
-        for point, c in zip(part["points"], range(len(part["points"])))
-        if point.temperature == temperature
         for cand in part["candidates"]
-        for unit in cand["rows"][c]["runs"]["target_only"]
-        for unit_call in unit
+        for i, point in enumerate(part["points"])
+        if point.temperature == temperature
     ]
+    calls = [call for row in rows for unit in row["runs"]["target_only"] for call in unit]
     agg = merge_stats(calls).aggregate()
-    peaks = [
-        cand["rows"][c]["peak"]
-        for part in parts
-        for cand in part["candidates"]
-        for c, point in enumerate(part["points"])
-        if point.temperature == temperature
-    ]
     return {
         "temperature": temperature,
-        **{k: agg[k] for k in ("tokens_per_s", "ttft_s", "tpot_s")},
-        "decode_s": agg["decode_s"],
+        **{k: agg[k] for k in ("tokens_per_s", "ttft_s", "tpot_s", "decode_s")},
         "calls": len(calls),
-        "peak_memory_bytes": max(peaks),
+        "peak_memory_bytes": max(row["peak"] for row in rows),
     }
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .metrics import GenerationStats, analytic_speedup, merge_stats
+from .metrics import GenerationStats, analytic_speedup, cost_ratios, merge_stats
 
 Runs = list[list]
 """Per unit, per repeat: what one timed call returned (`GenerationStats` for our engine)."""
@@ -132,28 +132,18 @@ def paired_speedup(
 
 
 def cost_model(base: GenerationStats, spec: GenerationStats) -> dict:
-    """Cost ratios and the speedup the forwards allow, from both runs' own in-run phases (DESIGN.md names).
+    """`metrics.cost_ratios` of a speculative run against the target-only run on the same units (DESIGN.md names).
 
-    step = the target-only run's decode seconds per step (its forward plus its per-step overhead);
-    cost_ratio = one draft forward / step; verify_cost_ratio = one verify forward / step;
-    predicted_speedup = (tokens per speculative step / tokens per target-only step) x step / (per-step draft +
-    verify seconds): per-step overhead left out of the speculative side, so speedup / predicted_speedup
-    (`efficiency`) is the share of the forwards' promise the loop keeps. overhead_fraction = other_s / decode s of
-    the speculative run.
+    Both runs' decode tokens per step are measured, not assumed: at batch size B target-only decoding emits up to B
+    tokens per step, and rows that finish early emit none, so the speculative run's tokens per step are taken
+    relative to the target-only run's. The draft forwards per step are counted too (gamma for a chain, the depth for
+    a tree).
     """
     bp, sp = base.phases, spec.phases
-    if not bp.verify_forwards or not sp.verify_forwards or not decode_tokens(base) or not decode_tokens(spec):
+    if not bp.verify_forwards or not sp.verify_forwards or not decode_tokens(base):
         return dict.fromkeys(("cost_ratio", "verify_cost_ratio", "predicted_speedup", "overhead_fraction"))
-    step = bp.decode_s / bp.verify_forwards
-    base_tokens_per_step = decode_tokens(base) / bp.verify_forwards
-    spec_tokens_per_step = decode_tokens(spec) / sp.verify_forwards
-    forwards_per_step = (sp.draft_s + sp.verify_s) / sp.verify_forwards
-    return {
-        "cost_ratio": sp.draft_s / sp.draft_forwards / step if sp.draft_forwards else None,
-        "verify_cost_ratio": sp.verify_s / sp.verify_forwards / step,
-        "predicted_speedup": spec_tokens_per_step / base_tokens_per_step * step / forwards_per_step,
-        "overhead_fraction": sp.other_s / sp.decode_s if sp.decode_s else None,
-    }
+    relative_tokens_per_step = (decode_tokens(spec) / sp.verify_forwards) / (decode_tokens(base) / bp.verify_forwards)
+    return cost_ratios(sp, bp, sp.draft_forwards / sp.verify_forwards, relative_tokens_per_step)
 
 
 def efficiency(speedup: float | None, predicted: float | None) -> float | None:

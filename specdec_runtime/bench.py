@@ -114,14 +114,9 @@ def fair_assistant(draft: torch.nn.Module, num_draft_tokens: int):
 def hf_generation_config(tokenizer, stop: tuple[int, ...], max_new_tokens: int, temperature: float):
     """The target-side sampling of HF assisted generation, matching ours (no top-k / top-p)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     return GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_k=0,
-        top_p=1.0,
-        eos_token_id=list(stop) or None,
-        pad_token_id=pad,
+        max_new_tokens=max_new_tokens, eos_token_id=list(stop) or None, pad_token_id=pad, **sampling
     )
 
 

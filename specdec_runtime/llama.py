@@ -128,6 +128,7 @@ class Llama(nn.Module):
         self.attention_scaling = attention_scaling
         self.cache_shape: tuple[int, int] | None = None  # (rows, S) of the allocated static cache
         self.use_graphs = True  # False: eager CUDA decode/verify steps (to measure what the graphs buy)
+        self.cpu_fast = False  # True: rebuilt by cpu.cpu_model; its masks span only the slots in use (`window`)
         self.graphs: dict[int, dict[int, tuple]] = {}  # T -> rows -> (graph, inputs, logits), valid for cache_shape
         self.graph_pool = None
 
@@ -254,14 +255,22 @@ class StaticState:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=model.device)  # (B,) real tokens = next pos
         self.segment = 0  # uncommitted tree slots right after each row's real tokens
 
+    def window(self, need: torch.Tensor) -> int:
+        """Cache slots a forward's mask spans: all S (fixed shapes for the CUDA graphs), or on the CPU fast path only
+        the first max(need) slots, need (B,) = the slots each row uses; attention then reads no unused slot."""
+        return int(need.max()) if self.model.cpu_fast else self.S
+
     def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         T = tokens.shape[1]
         valid = torch.arange(T, device=tokens.device) >= (T - counts)[:, None]  # (B, T), holes on the left
         positions = (self.lengths[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)  # (B, T)
         slots = torch.where(valid, positions, self.S - 1)
-        cols = torch.arange(self.S, device=tokens.device)
-        # A real token sees slots up to its own position (all written by now); a hole sees only the trash slot.
-        mask = torch.where(valid[..., None], cols <= positions[..., None], cols == self.S - 1)[:, None]
+        W = self.window(self.lengths + counts)
+        cols = torch.arange(W, device=tokens.device)
+        # A real token sees slots up to its own position (all written by now); a hole sees only the trash slot, or
+        # in a narrower window (no trash slot in it) the slots up to its harmless position: finite, and discarded.
+        hole_sees = cols == self.S - 1 if W == self.S else cols <= positions[..., None]
+        mask = torch.where(valid[..., None], cols <= positions[..., None], hole_sees)[:, None]
         self.lengths = self.lengths + counts
         if last_only and T > 2:  # prefill: eager, variable length
             return self.model(tokens, positions, slots, mask, last_only=True).float()
@@ -287,9 +296,10 @@ class StaticState:
         B, T = tokens.shape
         width = self.segment + T
         slots = self.lengths[:, None] + self.segment + torch.arange(T, device=tokens.device)  # (B, T)
-        rel = torch.arange(self.S, device=tokens.device) - self.lengths[:, None]  # (B, S) segment column of a slot
+        W = self.window(self.lengths + width)
+        rel = torch.arange(W, device=tokens.device) - self.lengths[:, None]  # (B, W) segment column of a slot
         in_segment = (rel >= 0) & (rel < width)
-        seen_slot = seen.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(B, T, self.S))  # (B, T, S)
+        seen_slot = seen.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(B, T, W))  # (B, T, W)
         mask = (rel < 0)[:, None] | (in_segment[:, None] & seen_slot)  # real tokens, then flagged segment slots
         self.segment = width
         logits = self.model.step(tokens, positions, slots, mask[:, None])

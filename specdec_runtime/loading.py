@@ -13,6 +13,7 @@ Everything here raises `ModelLoadError` (a `ValueError`) with one line that name
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -44,6 +45,27 @@ class VocabMismatchError(ValueError):
 def cache_dir() -> Path:
     """Where converted GGUF checkpoints live: $SPECDISTILL_CACHE, else ~/.cache/specdistill."""
     return Path(os.environ.get("SPECDISTILL_CACHE") or Path.home() / ".cache" / "specdistill")
+
+
+@contextlib.contextmanager
+def own_weights_loading():
+    """Every rank reads the full weights itself while this is active, whatever the launcher exported.
+
+    accelerate's FSDP launch (`fsdp_cpu_ram_efficient_loading: true`) sets FSDP_CPU_RAM_EFFICIENT_LOADING, and
+    transformers then loads on local ranks > 0 as receivers of a broadcast from rank 0 (zero-filled placeholders, some
+    buffers never initialised), a broadcast accelerate sends only for the model it prepares. Every model we load
+    ourselves (target, pretrained draft, eval drafts) is loaded with the variable off; the launcher's value is back
+    once the load returns, for accelerate's own preparation of the student."""
+    key = "FSDP_CPU_RAM_EFFICIENT_LOADING"
+    saved = os.environ.get(key)
+    os.environ[key] = "False"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -113,7 +135,10 @@ def gguf_to_safetensors(gguf_path: Path) -> Path:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        with own_weights_loading():
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
     except (ValueError, KeyError, NotImplementedError, struct.error) as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelLoadError(
@@ -227,15 +252,16 @@ def load_model(
     if local:
         _check_weights_format(Path(path), allow_pickle)
     tokenizer = _from_pretrained(AutoTokenizer, path, local, spec, trust_remote_code=trust_remote_code)
-    model = _from_pretrained(
-        AutoModelForCausalLM,
-        path,
-        local,
-        spec,
-        dtype=resolve_dtype(dtype, device),
-        trust_remote_code=trust_remote_code,
-        use_safetensors=None if allow_pickle else True,
-    )
+    with own_weights_loading():
+        model = _from_pretrained(
+            AutoModelForCausalLM,
+            path,
+            local,
+            spec,
+            dtype=resolve_dtype(dtype, device),
+            trust_remote_code=trust_remote_code,
+            use_safetensors=None if allow_pickle else True,
+        )
     return model.to(device).eval(), tokenizer
 
 
@@ -299,7 +325,8 @@ def load_checkpoint(checkpoint: Path):
 
         base_path = _lora_base(checkpoint)
         try:
-            base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto", use_safetensors=True)
+            with own_weights_loading():
+                base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto", use_safetensors=True)
         except OSError as e:
             reason = str(e).splitlines()[0]
             raise ModelLoadError(f"cannot load the LoRA base {base_path} of {checkpoint}: {reason}") from None
@@ -310,7 +337,8 @@ def load_checkpoint(checkpoint: Path):
             model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
     else:
         base_path = checkpoint
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto", use_safetensors=True)
+        with own_weights_loading():
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto", use_safetensors=True)
     return model.eval(), _load_tokenizer(checkpoint, base_path, AutoTokenizer), is_lora
 
 

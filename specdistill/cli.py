@@ -20,7 +20,7 @@ from pathlib import Path
 EXAMPLES = {
     "config": "example: specdistill config show configs/quickstart.yaml train.max_steps=20 distill.objective=tv",
     "bench": "example: specdistill bench --target embedded:smollm2-135m-instruct --draft runs/quickstart/export/"
-             "trunc4-fkl --prompts builtin:eval --num-prompts 8 --num-draft-tokens 4 --json bench.json",
+             "trunc4-fkl --prompts builtin:test --num-prompts 8 --num-draft-tokens 4 --json bench.json",
     "data": "example: specdistill data configs/quickstart.yaml data.max_prompts=50\n"
             "         torchrun --nproc_per_node 2 -m specdistill data configs/smoke.yaml",
     "distill": "example: specdistill distill configs/quickstart.yaml train.max_steps=100\n"
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="target-only vs speculative (ours) vs HF assisted generation, one run",
                            epilog=EXAMPLES["bench"], formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(bench)
-    bench.add_argument("--prompts", default="builtin:eval", help="prompt file or builtin:eval")
+    bench.add_argument("--prompts", default="builtin:test", help="prompt file or builtin:test")
     bench.add_argument("--num-prompts", type=int, default=8)
     bench.add_argument("--num-draft-tokens", type=int, default=4)
     bench.add_argument("--tree", default=None, help="also run a token tree, '4,2,2,1' (branching per depth) or "
@@ -235,7 +235,7 @@ def cmd_data(args: argparse.Namespace) -> None:
     from specdistill.pipeline import dist_state, print0, stage_data
 
     cfg = _stage_config(args)
-    dist = dist_state(cfg.target.device)
+    dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     data = stage_data(cfg, dist)
     print0(dist, f"teacher data: train {data.train}, held-out {data.eval}")
 
@@ -245,7 +245,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
     from specdistill.pipeline import dist_state, print0, stage_data, stage_distill
 
     cfg = _stage_config(args)
-    dist = dist_state(cfg.target.device)
+    dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     if dist.is_main:
         save_resolved(cfg, Path(cfg.output_dir) / "config.yaml")
     dirs = stage_distill(cfg, dist, stage_data(cfg, dist))
@@ -270,8 +270,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, overrides)
     candidates = resolve_candidates(args.drafts) if args.drafts else config_candidates(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval"
-    dist = dist_state(cfg.target.device)
-    # A config's own candidates were trained on its data section's prompts: those stay out of the eval prompts.
+    dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
+    # A config's own candidates were trained and validated on its data section's prompts: eval refuses those.
     report = stage_eval(cfg, dist, candidates, out_dir=out, trained_on=None if args.drafts else cfg.data)
     print0(dist, f"report: {report} (+ report.md, report.html)")
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
-from distill.config import DataConfig, DistillConfig
+from distill.config import DataConfig, DistillConfig, deprecated
 from distill.students import DraftConfig
 from eval.config import EvalConfig, ServingConfig
 from specdec_runtime import atomic
@@ -194,6 +194,7 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     valid = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
+        key = _renamed(cls, key, where, data)
         if key not in valid:
             raise _unknown_key(str(key), valid, where)
         kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
@@ -203,6 +204,17 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
         raise
     except ValueError as e:
         raise ConfigError(f"{where.rstrip('.') or 'config'}: {e}") from None
+
+
+def _renamed(cls: type, key: Any, where: str, data: dict) -> Any:
+    """A section's deprecated key name -> its current name, with a one-line FutureWarning (section.RENAMED)."""
+    new = getattr(cls, "RENAMED", {}).get(key)
+    if new is None:
+        return key
+    if new in data:
+        raise ConfigError(f"{where}{key} is the deprecated name of {where}{new}; set only {where}{new}")
+    deprecated(f"{where}{key} is deprecated; use {where}{new} (same meaning)")
+    return new
 
 
 def to_dict(obj: Any) -> Any:
@@ -260,9 +272,12 @@ def set_dotted(data: dict, key: str, value: Any, cls: type = RootConfig) -> None
         if not dataclasses.is_dataclass(tp):
             raise ConfigError(f"override {key!r}: {where.rstrip('.')} is not a section")
         valid = [f.name for f in dataclasses.fields(tp)]
+        part = _renamed(tp, part, where, {})
         if part not in valid:
             raise _unknown_key(part, valid, where)
         if i == len(parts) - 1:
+            for alias in (k for k, v in getattr(tp, "RENAMED", {}).items() if v == part):
+                node.pop(alias, None)  # the override replaces the file's value under its deprecated name
             node[part] = value
             return
         tp = typing.get_type_hints(tp)[part]

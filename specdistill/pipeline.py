@@ -39,11 +39,12 @@ RESUMABLE_CHANGES = {
     "train.resume",
     "train.mixed_precision",
     "train.shard_teacher",
+    "train.timeout_minutes",
     "distill.chunked_head",
 }
 # Keys added after runs were marked DONE that change how a run executes, not what it trains: left out of the DONE
 # fingerprint, so finished runs stay finished.
-EXECUTION_ONLY = {"train.shard_teacher", "distill.chunked_head"}
+EXECUTION_ONLY = {"train.shard_teacher", "train.timeout_minutes", "distill.chunked_head"}
 
 
 @dataclass
@@ -68,13 +69,17 @@ class Dist:
         return gather_object([obj])
 
 
-def dist_state(device: str = "auto") -> Dist:
-    """The launch this process is part of; CPU launches use gloo (accelerate picks it)."""
+def dist_state(device: str = "auto", timeout_minutes: float | None = None) -> Dist:
+    """The launch this process is part of; CPU launches use gloo (accelerate picks it). The first call creates the
+    process group, with `timeout_minutes` (train.timeout_minutes; None: torch's default) as its timeout."""
+    from datetime import timedelta
+
     import torch
     from accelerate import PartialState
 
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    state = PartialState(cpu=cpu)
+    timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
+    state = PartialState(cpu=cpu, **timeout)
     dev = "cpu" if cpu else (str(state.device) if device == "auto" else device)
     return Dist(rank=state.process_index, world_size=state.num_processes, device=dev, state=state)
 
@@ -103,10 +108,15 @@ def load_target(cfg: RootConfig, dist: Dist):
 
 
 def stage_data(cfg: RootConfig, dist: Dist, target=None):
-    """Teacher responses (and the optional top-k cache) for the train and held-out prompts."""
+    """Teacher responses (and the optional top-k cache) for the train and validation prompts."""
     from distill.data import generate_teacher_data
+    from distill.eagle3 import cached_aux_layers
 
+    check_prompt_roles(cfg)
     teacher, tokenizer, teacher_id = target or load_target(cfg, dist)
+    resolved = [candidate_config(cfg, name) if cfg.candidates else cfg for name in candidate_names(cfg)]
+    # EAGLE-3 candidates that train from the offline cache need the teacher's aux hidden states stored in it.
+    aux_layers = cached_aux_layers([(c.draft, c.distill) for c in resolved], teacher.config.num_hidden_layers)
     return generate_teacher_data(
         teacher,
         tokenizer,
@@ -117,17 +127,29 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
         rank=dist.rank,
         world_size=dist.world_size,
         barrier=dist.barrier,
+        aux_layers=aux_layers,
     )
 
 
-def stage_distill(cfg: RootConfig, dist: Dist, teacher_data) -> dict[str, Path]:
-    return run_distill(cfg, teacher_data)
+def check_prompt_roles(cfg: RootConfig) -> None:
+    """Refuse to start a run whose test prompts (the first eval.max_prompts of eval.prompts) overlap its training or
+    validation prompts: DESIGN.md's three prompt roles stay disjoint."""
+    from distill.data import check_test_prompts
+    from distill.prompts import load_prompts
+
+    check_test_prompts(cfg.data, load_prompts(cfg.eval.prompts)[: cfg.eval.max_prompts or None], cfg.eval.prompts)
 
 
-def run_distill(cfg: RootConfig, teacher_data) -> dict[str, Path]:
+def stage_distill(cfg: RootConfig, dist: Dist, teacher_data, target=None) -> dict[str, Path]:
+    return run_distill(cfg, teacher_data, target=target)
+
+
+def run_distill(cfg: RootConfig, teacher_data, *, target=None) -> dict[str, Path]:
     """Distill every candidate in turn; returns {candidate name: its best/ folder (HF format)}.
 
     A candidate whose folder already holds best/ and a DONE marker for the same training settings is skipped.
+    `target`: the loaded (model, tokenizer, identity) of cfg.target, the teacher of every candidate that keeps
+    cfg.target (so `run` holds one target, not two); the others load their own.
     """
     from accelerate import PartialState
 
@@ -140,7 +162,8 @@ def run_distill(cfg: RootConfig, teacher_data) -> dict[str, Path]:
         if is_done(cand, training_fingerprint(resolved)):
             PartialState().print(f"{name}: already distilled with these settings ({cand / 'best'}); skipping")
         else:
-            distill_candidate(resolved, name, teacher_data)
+            teacher, tokenizer, _ = target if target and resolved.target == cfg.target else (None, None, None)
+            distill_candidate(resolved, name, teacher_data, teacher=teacher, tokenizer=tokenizer)
         best[name] = cand / "best"
     return best
 
@@ -208,45 +231,30 @@ def config_drift(saved: dict, current: dict) -> list[str]:
     )
 
 
-def eval_prompts(source: str, tokenizer, limit: int, *, trained_on=None, log=print):
-    """The eval prompts; with `trained_on` (the drafts' DataConfig) the prompts they were trained on are left out,
-    so acceptance is measured on held-out prompts only."""
-    from distill.data import training_prompts
-    from distill.prompts import load_prompts, render_chat, without_prompts
+def eval_prompts(source: str, tokenizer, limit: int, *, trained_on=None):
+    """The first `limit` test prompts of `source`; with `trained_on` (the drafts' DataConfig) they are refused when
+    they overlap the prompts the drafts were trained or validated on."""
+    from distill.data import check_test_prompts
+    from distill.prompts import load_prompts, render_chat
     from eval.sweep import EvalPrompt
 
-    records = load_prompts(source)
-    trained = training_prompts(trained_on) if trained_on is not None else None
-    if trained:
-        held_out = without_prompts(records, trained)
-        if len(held_out) < len(records):
-            log(
-                f"eval: left out {len(records) - len(held_out)} of {len(records)} prompts of {source} that the drafts "
-                f"were trained on (data.prompts={trained_on.prompts})"
-            )
-        records = held_out
-    if not records:
-        raise ValueError(
-            f"the eval prompt set {source!r} has no prompt the drafts were not trained on; pass "
-            "held-out prompts (eval.prompts, e.g. builtin:eval)"
-        )
-    records = records[: limit or None]
+    records = load_prompts(source)[: limit or None]
+    if trained_on is not None:
+        check_test_prompts(trained_on, records, source)
     return [EvalPrompt(id=r.id, category=r.category, ids=render_chat(tokenizer, r.messages)) for r in records]
 
 
 def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target=None, trained_on=None) -> Path:
     """Sweep every candidate against target-only decoding; write report.json/md/html; returns report.json.
 
-    `trained_on`: the candidates' DataConfig; the prompts they were trained on are left out of the eval prompts."""
+    `trained_on`: the candidates' DataConfig; eval prompts they were trained or validated on are refused."""
     from eval.recommend import recommend
     from eval.report import write_reports
     from eval.sweep import evaluate, save_report
     from train.tracking import make_tracker
 
     target_model, tokenizer, _ = target or load_target(cfg, dist)
-    prompts = eval_prompts(
-        cfg.eval.prompts, tokenizer, cfg.eval.max_prompts, trained_on=trained_on, log=functools.partial(print0, dist)
-    )
+    prompts = eval_prompts(cfg.eval.prompts, tokenizer, cfg.eval.max_prompts, trained_on=trained_on)
     report = evaluate(
         target_model,
         tokenizer,
@@ -289,7 +297,7 @@ def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: boo
     from eval.sweep import target_fingerprint
     from specdec_runtime.loading import load_tokenizer
 
-    target_model, tokenizer, _ = target or load_target(cfg, dist_state(cfg.target.device))
+    target_model, tokenizer, _ = target or load_target(cfg, dist_state(cfg.target.device, cfg.train.timeout_minutes))
     report = json.loads(report_path.read_text())
     rec = report.get("recommendation") or {}
     exported = Path(cfg.output_dir) / "export" / rec["name"] if rec.get("draft") else None
@@ -347,8 +355,9 @@ def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
 def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     """data -> distill -> eval -> export -> promote -> report, skipping what is complete."""
     start = time.time()
-    dist = dist_state(cfg.target.device)
+    dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     out = Path(cfg.output_dir)
+    check_prompt_roles(cfg)  # before the target loads: a run that would test on seen prompts never starts
     if dist.is_main:
         save_resolved(cfg, out / "config.yaml")
         for name in candidate_names(cfg) if cfg.candidates else []:
@@ -357,7 +366,7 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     print0(dist, f"[1/5] data -> {out / 'data'}")
     teacher_data = stage_data(cfg, dist, target)
     print0(dist, f"[2/5] distill {len(candidate_names(cfg))} candidate(s) -> {out / 'candidates'}")
-    stage_distill(cfg, dist, teacher_data)
+    stage_distill(cfg, dist, teacher_data, target)
     report_path = out / "eval" / "report.json"
     if eval_is_current(cfg, report_path):
         print0(dist, f"[3/5] eval: up to date ({report_path})")

@@ -24,9 +24,13 @@ PRESETS = sorted(p for p in CONFIGS.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
-def test_every_preset_loads_and_round_trips(path, tmp_path):
+def test_every_preset_loads_and_round_trips(path, tmp_path, capsys):
+    from specdistill.pipeline import check_prompt_roles
+
     cfg = load_config(path)
     assert isinstance(cfg, RootConfig) and cfg.output_dir
+    assert "deprecated" not in capsys.readouterr().err
+    check_prompt_roles(cfg)  # its test prompts are disjoint from its training and validation prompts
     for name in candidate_names(cfg) if cfg.candidates else []:
         candidate_config(cfg, name)
     resolved = tmp_path / "resolved.yaml"
@@ -171,6 +175,25 @@ def test_cli_config_show_and_errors():
     assert bad.returncode == 2
     assert "Did you mean 'max_steps'" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_deprecated_prompt_keys_and_builtin_eval_still_load_with_one_line_each(tmp_path, capsys):
+    path = tmp_path / "old.yaml"
+    path.write_text("data: {eval_prompts: builtin:eval, max_eval_prompts: 5}\neval: {prompts: builtin:eval}\n")
+    cfg = load_config(path)
+    assert (cfg.data.validation_prompts, cfg.data.max_validation_prompts) == ("builtin:validation", 5)
+    assert cfg.eval.prompts == "builtin:test"  # the old set's two halves keep their roles, now disjoint
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all(line.startswith("specdistill: warning: ") for line in err)
+    assert "data.eval_prompts is deprecated; use data.validation_prompts" in err[0]
+    assert "data.max_eval_prompts is deprecated; use data.max_validation_prompts" in err[1]
+    assert "eval_prompts" not in dump_yaml(cfg)
+    # An override under the old name replaces the file's value; the new name replaces the old one in the file.
+    assert load_config(path, ["data.max_eval_prompts=7"]).data.max_validation_prompts == 7
+    assert load_config(path, ["data.validation_prompts=v.jsonl"]).data.validation_prompts == "v.jsonl"
+    path.write_text("data: {eval_prompts: a.jsonl, validation_prompts: b.jsonl}\n")
+    with pytest.raises(ConfigError, match="data.eval_prompts is the deprecated name of data.validation_prompts"):
+        load_config(path)
 
 
 def test_tracking_none_is_shorthand_for_its_backend(tmp_path):

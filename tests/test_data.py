@@ -16,13 +16,14 @@ import distill.data as data
 from distill.config import DataConfig
 from distill.data import (
     cache_stats,
+    check_test_prompts,
     fingerprint,
     generate_teacher_data,
     load_teacher_data,
     shards_for_rank,
     topk_from_logits,
 )
-from distill.prompts import load_prompts, render_chat
+from distill.prompts import PromptRecord, load_prompts, render_chat
 from specdec_runtime.loading import load_model
 
 TEACHER_ID = "random:tiny-llama"
@@ -53,7 +54,7 @@ def write_prompts(path: Path, n: int, prefix: str = "p") -> Path:
 def make_cfg(tmp_path: Path, n_train: int = 10, n_eval: int = 2, **overrides) -> DataConfig:
     cfg = DataConfig(
         prompts=str(write_prompts(tmp_path / "train.jsonl", n_train)),
-        eval_prompts=str(write_prompts(tmp_path / "eval.jsonl", n_eval, prefix="e")),
+        validation_prompts=str(write_prompts(tmp_path / "eval.jsonl", n_eval, prefix="e")),
         max_new_tokens=8,
         batch_size=4,
         shard_size=4,
@@ -137,7 +138,13 @@ def test_fingerprint_changes_with_every_setting_and_nothing_else(tiny, tmp_path)
 
     base = fp()
     assert fp(cfg=dataclasses.replace(cfg)) == base
-    unrelated = dict(max_prompt_tokens=999, max_eval_prompts=3, eval_prompts="builtin:eval", teacher_cache_top_k=8)
+    unrelated = dict(
+        max_prompt_tokens=999,
+        max_validation_prompts=3,
+        validation_prompts="builtin:validation",
+        teacher_cache_top_k=8,
+        shard_size=2,  # shards are runs of whole batches: the tokens do not depend on them
+    )
     for name, value in unrelated.items():  # top-k only matters with the cache on
         assert fp(cfg=dataclasses.replace(cfg, **{name: value})) == base, name
     changed = dict(
@@ -147,7 +154,6 @@ def test_fingerprint_changes_with_every_setting_and_nothing_else(tiny, tmp_path)
         num_samples=2,
         max_new_tokens=9,
         batch_size=2,
-        shard_size=2,
         teacher_cache=True,
     )
     seen = {base}
@@ -302,7 +308,7 @@ def test_empty_prompt_set_is_refused(tiny, tmp_path):
         run(tiny, make_cfg(tmp_path, prompts=str(tmp_path / "empty.jsonl")), tmp_path / "data")
 
 
-@pytest.mark.parametrize("field", ["prompts", "eval_prompts"])
+@pytest.mark.parametrize("field", ["prompts", "validation_prompts"])
 def test_long_prompt_is_refused_by_id(tiny, tmp_path, field):
     path = tmp_path / "long.jsonl"
     rows = [{"id": "short-1", "prompt": "Hi?"}, {"id": "long-7", "prompt": "word " * 100}]
@@ -326,22 +332,61 @@ def test_unfinished_folder_is_refused(tmp_path):
         load_teacher_data(tmp_path / "teacher-abc")
 
 
-def test_training_prompts_that_are_eval_prompts_are_dropped(tiny, tmp_path, capsys):
-    # Training prompts p0 and p1 become the eval prompts e0 and e1, p1 with other case and spacing: the same prompt
-    # under another id. Both are dropped.
+def test_training_prompts_that_are_validation_prompts_are_dropped(tiny, tmp_path, capsys):
+    # Training prompts p0 and p1 become the validation prompts e0 and e1, p1 with other case and spacing: the same
+    # prompt under another id. Both are dropped.
     cfg = make_cfg(tmp_path, n_train=6, n_eval=2)
     rows = [json.loads(line) for line in Path(cfg.prompts).read_text().splitlines()]
     rows[0]["prompt"] = f"What is {TOPICS[0]}"
     rows[1]["prompt"] = f"  what IS   {TOPICS[1]}!"
     Path(cfg.prompts).write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = run(tiny, cfg, tmp_path / "data")
-    assert "dropped 2 of 6 training prompts that are also held-out eval prompts" in capsys.readouterr().out
+    assert "dropped 2 of 6 training prompts that are also validation prompts" in capsys.readouterr().out
     trained = {row_id.split("#")[0] for row_id in load_teacher_data(result.train)["id"]}
     assert trained == {"p2", "p3", "p4", "p5"}
 
 
-def test_training_on_the_eval_prompts_only_is_refused(tiny, tmp_path):
+def test_training_on_the_validation_prompts_only_is_refused(tiny, tmp_path):
     cfg = make_cfg(tmp_path, n_eval=3)
-    with pytest.raises(ValueError, match="every training prompt is also a held-out eval prompt"):
-        run(tiny, dataclasses.replace(cfg, prompts=cfg.eval_prompts), tmp_path / "data")
+    with pytest.raises(ValueError, match="every training prompt is also a validation prompt"):
+        run(tiny, dataclasses.replace(cfg, prompts=cfg.validation_prompts), tmp_path / "data")
     assert not (tmp_path / "data").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompt roles: test prompts never overlap the training or validation prompts
+
+
+def respelled(record: PromptRecord, new_id: str) -> PromptRecord:
+    """The same prompt under another id, in other case and spacing."""
+    text = record.messages[-1]["content"]
+    return PromptRecord(id=new_id, messages=[{"role": "user", "content": f"  {text.upper()}  "}])
+
+
+def test_test_prompts_seen_in_training_or_validation_are_refused_with_the_counts(tmp_path):
+    cfg = make_cfg(tmp_path, n_train=6, n_eval=3)
+    train, validation = load_prompts(cfg.prompts), load_prompts(cfg.validation_prompts)
+    unseen = [PromptRecord(id="u", messages=[{"role": "user", "content": "A prompt nobody has seen"}])]
+    check_test_prompts(cfg, unseen, "unseen.jsonl")
+    test = unseen + [respelled(train[0], "x0"), respelled(train[1], "x1"), respelled(validation[2], "x2")]
+    with pytest.raises(
+        ValueError,
+        match=r"4 test prompts \(eval.prompts=mine.jsonl\) share 2 with the training prompts \(data.prompts=.*\) "
+        r"and 1 with the validation prompts \(data.validation_prompts=.*\); .*builtin:test",
+    ):
+        check_test_prompts(cfg, test, "mine.jsonl")
+    # Only the prompts each role uses count: training prompts past data.max_prompts are never answered, ...
+    check_test_prompts(dataclasses.replace(cfg, max_prompts=2), [respelled(train[3], "x3")], "t")
+    # ... nor validation prompts past data.max_validation_prompts.
+    check_test_prompts(dataclasses.replace(cfg, max_validation_prompts=2), [respelled(validation[2], "x2")], "t")
+    with pytest.raises(ValueError, match="share 1 with the validation prompts"):
+        check_test_prompts(dataclasses.replace(cfg, max_validation_prompts=3), [respelled(validation[2], "x2")], "t")
+
+
+def test_builtin_roles_pass_the_check_and_validation_as_test_is_refused():
+    cfg = DataConfig()
+    check_test_prompts(cfg, load_prompts("builtin:test"), "builtin:test")
+    with pytest.raises(ValueError, match="16 test prompts .* share 16 with the validation prompts"):
+        check_test_prompts(cfg, load_prompts("builtin:validation"), "builtin:validation")
+    with pytest.raises(ValueError, match="share 5 with the training prompts"):
+        check_test_prompts(cfg, load_prompts("builtin:train")[:5], "builtin:train")

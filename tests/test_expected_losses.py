@@ -31,7 +31,7 @@ CONFIG = """\
 seed: 0
 target: {{model: "random:tiny-llama", dtype: float32, device: cpu}}
 draft: {{init: truncate, num_layers: 2}}
-data: {{prompts: {train}, eval_prompts: {eval}, max_new_tokens: 8, temperature: 0.0, teacher_cache: false}}
+data: {{prompts: {train}, validation_prompts: {eval}, max_new_tokens: 8, temperature: 0.0, teacher_cache: false}}
 train: {{max_steps: 2, batch_size: 2, grad_accum: 2, max_seq_len: 37, lr: 1.0e-2, warmup_steps: 0,
          mixed_precision: "no", eval_every: 2, save_every: 2, keep_last: 1, log_every: 1}}
 tracking: {{backend: none}}

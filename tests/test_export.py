@@ -213,7 +213,7 @@ def test_promote_with_export_dir_points_serving_at_the_export(tmp_path):
     _, draft, tokenizer = pair()
     ckpt = save_checkpoint(draft, tokenizer, tmp_path / "candidates" / "trunc2" / "best")
     report = report_for(ckpt)
-    report["recommendation"]["measured"] = {"acceptance_rate": 0.6345, "mean_accepted_length": 2.6, "speedup": 1.79}
+    report["recommendation"]["confirmation"] = {"acceptance_rate": 0.6345, "mean_accepted_length": 2.6, "speedup": 1.79}
     (tmp_path / "report.json").write_text(json.dumps(report))
     export = tmp_path / "export" / "trunc2"
     summary = promote(

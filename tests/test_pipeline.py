@@ -1,6 +1,7 @@
 """`specdistill run` end to end on configs/smoke.yaml, from the CLI, plus the eval/promote/export commands' bad input.
 
-One smoke run is shared by the module: its first attempt fails at the eval stage (a missing prompt file), the second
+One smoke run is shared by the module: its first attempt fails at the eval stage (a batch larger than the prompts
+split into selection and confirmation halves; a missing prompt file would fail before any stage starts), the second
 continues without redoing data generation or distillation. The outputs of that run are then checked file by file.
 """
 
@@ -63,7 +64,7 @@ def smoke_run(tmp_path_factory, env):
     """(output_dir, first attempt, second attempt, mtimes of best/ after the first)."""
     out = tmp_path_factory.mktemp("smoke") / "run"
     base = [ROOT / "configs" / "smoke.yaml", f"output_dir={out}"]
-    failed = cli("run", *base, "eval.prompts=does/not/exist.jsonl", env=env, cwd=ROOT, check=False)
+    failed = cli("run", *base, "eval.batch_sizes=[64]", env=env, cwd=ROOT, check=False)
     best_mtimes = {p: p.stat().st_mtime for p in sorted(out.glob("candidates/*/best/model.safetensors"))}
     resumed = cli("run", *base, env=env, cwd=ROOT)
     return out, failed, resumed, best_mtimes
@@ -72,7 +73,7 @@ def smoke_run(tmp_path_factory, env):
 def test_failed_stage_then_resume_continues(smoke_run):
     out, failed, resumed, best_mtimes = smoke_run
     assert failed.returncode == 2
-    assert "does/not/exist.jsonl" in failed.stderr and "Traceback" not in failed.stderr
+    assert "batch size 64" in failed.stderr and "Traceback" not in failed.stderr
     assert len(best_mtimes) == 2, "data and distill finished before the eval stage failed"
     assert "cached" in resumed.stdout or "cached" in resumed.stderr, "teacher data was reused"
     for path, mtime in best_mtimes.items():
@@ -110,12 +111,13 @@ def test_report_keys_and_ranges(smoke_run):
             assert 0 <= s["expected_acceptance"] <= 1
             assert s["speedup"] > 0 and s["predicted_speedup"] > 0 and s["cost_ratio"] > 0
             assert s["ttft_s"] > 0 and s["tokens_per_s"] > 0 and s["peak_memory_bytes"] > 0
-            assert sum(v["count"] for v in s["by_category"].values()) == 4
+            assert sum(v["count"] for v in s["by_category"].values()) == report["prompts"]["selection"] == 2
             assert set(s["by_length"]) <= {"short", "medium", "long"}
     rec = report["recommendation"]
     assert {"draft", "num_draft_tokens", "draft_rule", "temperature", "enabled", "reason"} <= set(rec)
     assert rec["temperature"] == 0.0 and rec["draft_rule"] == "greedy"
-    assert rec["enabled"] == (rec["measured"]["speedup"] > 1), rec["reason"]
+    conf = rec["confirmation"]  # enabled only on the confirmation split's interval (smoke: min_acceptance 0)
+    assert rec["enabled"] == (conf["speedup_ci"][0] > 1.05), rec["reason"]
 
 
 def test_html_is_self_contained(smoke_run):
@@ -279,7 +281,7 @@ def test_data_and_distill_on_two_processes_with_the_shipped_launcher_file(env, t
         assert (out / "candidates" / cand / "best" / "model.safetensors").is_file()
 
 
-def test_eval_leaves_out_the_prompts_the_drafts_were_trained_on(tmp_path, isolated_cache):
+def test_eval_refuses_test_prompts_the_drafts_were_trained_or_validated_on(tmp_path, isolated_cache):
     from distill.config import DataConfig
     from specdec_runtime.loading import load_model
     from specdistill.pipeline import eval_prompts
@@ -292,18 +294,24 @@ def test_eval_leaves_out_the_prompts_the_drafts_were_trained_on(tmp_path, isolat
         return str(tmp_path / name)
 
     evals = write("eval.jsonl", [f"Question number {i}?" for i in range(6)], "q")
-    train = write("train.jsonl", ["question NUMBER 2?", "Something else"], "t")
-    other_split = write("split.jsonl", ["An unrelated held-out prompt"], "s")
+    train = write("train.jsonl", ["question NUMBER 4?", "Something else"], "t")
+    validation = write("split.jsonl", ["An unrelated held-out prompt"], "s")
 
-    logs = []
-    trained = DataConfig(prompts=train, eval_prompts=other_split)
-    kept = eval_prompts(evals, tokenizer, 4, trained_on=trained, log=logs.append)
-    assert [p.id for p in kept] == ["q0", "q1", "q3", "q4"]  # the limit applies to the held-out prompts
-    assert logs and "left out 1 of 6 prompts" in logs[0]
-    # With eval.jsonl as the data's own eval split, q2 was dropped from training: nothing to leave out.
-    logs.clear()
-    kept = eval_prompts(evals, tokenizer, 0, trained_on=DataConfig(prompts=train, eval_prompts=evals), log=logs.append)
-    assert len(kept) == 6 and not logs
+    trained = DataConfig(prompts=train, validation_prompts=validation)
+    with pytest.raises(ValueError, match=r"6 test prompts \(eval.prompts=.*eval.jsonl\) share 1 with the training"):
+        eval_prompts(evals, tokenizer, 0, trained_on=trained)
+    # Only the prompts the sweep uses count (eval.max_prompts=4 stops before q4); without a data section, no check.
+    assert [p.id for p in eval_prompts(evals, tokenizer, 4, trained_on=trained)] == ["q0", "q1", "q2", "q3"]
     assert [p.id for p in eval_prompts(evals, tokenizer, 0)] == [f"q{i}" for i in range(6)]
-    with pytest.raises(ValueError, match="no prompt the drafts were not trained on"):
-        eval_prompts(train, tokenizer, 0, trained_on=DataConfig(prompts=train, eval_prompts=other_split))
+    # Validating on the test prompts is refused too, although it keeps them out of training.
+    with pytest.raises(ValueError, match="share 6 with the validation prompts"):
+        eval_prompts(evals, tokenizer, 0, trained_on=DataConfig(prompts=train, validation_prompts=evals))
+
+
+def test_run_with_overlapping_prompt_roles_refuses_to_start(env, tmp_path):
+    out = tmp_path / "run"
+    r = cli_here("run", ROOT / "configs" / "smoke.yaml", f"output_dir={out}", "eval.prompts=builtin:validation",
+                 env=env, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "test prompts (eval.prompts=builtin:validation) share 4 with the validation prompts" in r.stderr
+    assert not out.exists(), "refused before any stage wrote anything"

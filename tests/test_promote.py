@@ -28,12 +28,23 @@ def write_report(
     enabled: bool = True,
     target: str = "random:tiny-llama",
     fingerprint: str = "0123456789abcdef",
+    max_concurrency: int = 16,
 ) -> Path:
     """A report.json (contract of eval/sweep.py) recommending `name` with `gamma`, its draft folder created."""
     draft = folder / "candidates" / name / "best"
     draft.mkdir(parents=True, exist_ok=True)
     (draft / "config.json").write_text(json.dumps({"vocab_size": 259}))
-    measured = {"acceptance_rate": 0.71, "mean_accepted_length": 3.1, "speedup": 1.8 if enabled else 0.9}
+    confirmation = {
+        "acceptance_rate": 0.71,
+        "mean_accepted_length": 3.1,
+        "speedup": 1.8 if enabled else 0.9,
+        "speedup_ci": [1.7, 1.9] if enabled else [0.85, 0.95],
+        "split": "confirmation",
+        "batch_size": 1,
+        "prompts": 16,
+        "max_concurrency": max_concurrency if enabled else None,
+        "measured_concurrency": [1, 4, 16],
+    }
     report = {
         "schema_version": 1,
         "created_at": "2026-11-29T12:00:00Z",
@@ -48,10 +59,10 @@ def write_report(
             "draft_rule": "greedy",
             "temperature": 0.0,
             "enabled": enabled,
-            "measured": measured,
-            "reason": "best measured speedup 1.80x"
+            "confirmation": confirmation,
+            "reason": "both gates passed: 1.80x [1.70, 1.90] on the confirmation split"
             if enabled
-            else "no candidate beats target-only decoding: the best measured 0.90x",
+            else "speedup gate: 0.90x [0.85, 0.95] on the confirmation split does not clear 1.05",
         },
     }
     path = folder / f"report-{name}-{gamma}.json"
@@ -87,8 +98,15 @@ def test_promote_writes_the_serving_contract(tmp_path):
         "acceptance_rate": 0.71,
         "mean_accepted_length": 3.1,
         "speedup": 1.8,
+        "speedup_ci": [1.7, 1.9],
+        "split": "confirmation",
+        "batch_size": 1,
+        "prompts": 16,
+        "max_concurrency": 16,
+        "measured_concurrency": [1, 4, 16],
         "eval_report": str(report.resolve()),
     }
+    assert spec["max_concurrency"] == 16 and spec["kind"] == "standalone"
     engines = cfg["engines"]
     assert engines["vllm"] == {
         "speculative_config": {"model": draft, "num_speculative_tokens": 4, "method": "draft_model"}
@@ -144,7 +162,8 @@ def test_disabled_recommendation_turns_speculation_off(tmp_path):
     summary = promote(write_report(tmp_path, "weak", enabled=False), serving)
     cfg = load(serving)
     assert "disabled" in summary
-    assert cfg["speculative"]["enabled"] is False and "no candidate beats" in cfg["speculative"]["reason"]
+    assert cfg["speculative"]["enabled"] is False and "speedup gate" in cfg["speculative"]["reason"]
+    assert cfg["speculative"]["measured"]["speedup_ci"] == [0.85, 0.95]
     assert "draft" not in cfg["speculative"]
     engines = cfg["engines"]
     assert "speculative_config" not in engines["vllm"] and "speculative_config" not in engines["trtllm"]
@@ -333,3 +352,15 @@ def test_concurrent_promotions_both_land(tmp_path):
     names = [Path(h["draft"]).parent.name for h in history]
     assert names[0] == "first" and sorted(names[1:]) == ["a", "b"]
     assert history[2]["replaced"] == history[1]["draft"]  # the second writer saw the first one's result
+
+
+def test_concurrency_limit_becomes_vllms_batch_size_schedule(tmp_path):
+    """Speculation confirmed up to batch size 4 of the measured [1, 4, 16]: vLLM drafts nothing above 4."""
+    serving = tmp_path / "serving.yaml"
+    promote(write_report(tmp_path, max_concurrency=4), serving)
+    cfg = load(serving)
+    assert cfg["speculative"]["max_concurrency"] == 4
+    spec = cfg["engines"]["vllm"]["speculative_config"]
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 4], [5, 5, 0]]
+    promote(write_report(tmp_path, max_concurrency=16), serving)  # cleared at every measured batch size: no limit
+    assert "num_speculative_tokens_per_batch_size" not in load(serving)["engines"]["vllm"]["speculative_config"]

@@ -1,7 +1,9 @@
 """Prompt sources: every file format, datasets folders, the builtin set and its splits, bad inputs, self-instruct."""
 
 import csv
+import hashlib
 import json
+import os
 import random
 import re
 from collections import Counter
@@ -10,9 +12,13 @@ import pytest
 
 from distill.prompts import (
     ACCEPTED_FIELDS,
+    BUILTIN_SPLITS,
     PromptRecord,
     clean_generated_prompt,
+    interleave_categories,
     load_prompts,
+    overlap_count,
+    prompt_key,
     render_chat,
     save_prompts,
     self_instruct_prompts,
@@ -126,9 +132,25 @@ def test_specbench_turns(tmp_path):
 
 
 def test_save_prompts_round_trip(tmp_path):
-    records = load_prompts("builtin:eval") + [PromptRecord(id="t", messages=user("a"), turns=["a", "b"])]
-    save_prompts(records, tmp_path / "data" / "eval.jsonl")
-    assert load_prompts(tmp_path / "data" / "eval.jsonl") == records
+    records = load_prompts("builtin:test") + [PromptRecord(id="t", messages=user("a"), turns=["a", "b"])]
+    save_prompts(records, tmp_path / "data" / "test.jsonl")
+    assert load_prompts(tmp_path / "data" / "test.jsonl") == records
+    assert [p.name for p in (tmp_path / "data").iterdir()] == ["test.jsonl"]  # no temp file left beside it
+
+
+def test_save_prompts_never_leaves_half_a_file(tmp_path, monkeypatch):
+    path = tmp_path / "prompts.jsonl"
+    save_prompts([PromptRecord(id="old", messages=user("the old prompt"))], path)
+    real_fsync = os.fsync
+
+    def crash(fd):  # dies after the new bytes are written, before they are renamed into place
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        save_prompts([PromptRecord(id=f"n{i}", messages=user(f"new {i}")) for i in range(100)], path)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert [r.id for r in load_prompts(path)] == ["old"] and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_repeated_ids_get_suffixed(tmp_path):
@@ -152,7 +174,7 @@ def test_builtin_set_is_large_varied_and_unique():
     counts = Counter(r.category for r in records)
     assert len(records) >= 300 and len(counts) >= 9
     assert sum(n >= 30 for n in counts.values()) >= 9
-    assert 5 <= counts["multi_turn"] <= 10
+    assert 10 <= counts["multi_turn"] <= 20
     assert len({r.id for r in records}) == len(records)
     texts = [" ".join(json.dumps(r.messages).lower().split()) for r in records]
     assert len(set(texts)) == len(texts)
@@ -164,19 +186,60 @@ def test_builtin_set_is_large_varied_and_unique():
             assert 60 <= len(r.messages[0]["content"].split()) <= 170
 
 
-def test_builtin_splits_disjoint_deterministic_and_complete():
+def ids_digest(records):
+    return hashlib.sha256(json.dumps([r.id for r in records]).encode()).hexdigest()[:12]
+
+
+def test_builtin_splits_one_per_role_disjoint_fixed_and_complete():
     everything = load_prompts("builtin")
-    train, eval_ = load_prompts("builtin:train"), load_prompts("builtin:eval")
-    assert load_prompts("builtin", split="eval") == eval_ and load_prompts("builtin:eval") == eval_
-    train_ids, eval_ids = {r.id for r in train}, {r.id for r in eval_}
-    assert not train_ids & eval_ids
-    assert train_ids | eval_ids == {r.id for r in everything}
-    assert 30 <= len(eval_) <= 40
-    # stratified: each category's eval share is 10% of it, rounded down or up
-    total, held_out = Counter(r.category for r in everything), Counter(r.category for r in eval_)
-    assert all(int(0.1 * n) <= held_out[c] <= int(0.1 * n) + 1 for c, n in total.items())
-    with pytest.raises(ValueError, match="unknown builtin split"):
-        load_prompts("builtin:test")
+    splits = {name: load_prompts(f"builtin:{name}") for name in BUILTIN_SPLITS}
+    assert all(load_prompts("builtin", split=name) == records for name, records in splits.items())
+    keys = {name: {prompt_key(r) for r in records} for name, records in splits.items()}
+    for a, b in (("train", "validation"), ("train", "test"), ("validation", "test")):
+        assert not keys[a] & keys[b], (a, b)  # disjoint by content, not just by id
+    assert sorted(r.id for records in splits.values() for r in records) == sorted(r.id for r in everything)
+    # Fixed: the same ids in the same order in every version (train is the split every earlier version shipped).
+    assert {name: (len(r), ids_digest(r)) for name, r in splits.items()} == {
+        "train": (309, "14160fb319cd"),
+        "validation": (16, "d3e715cec7ed"),
+        "test": (60, "298bd542a2e9"),
+    }
+    # Every category in validation; six test prompts per category, so both halves of any sweep span them.
+    categories = Counter(r.category for r in everything)
+    assert set(Counter(r.category for r in splits["validation"])) == set(categories)
+    assert Counter(r.category for r in splits["test"]) == {c: 6 for c in categories}
+
+
+def test_builtin_test_prompts_pair_categories_so_both_sweep_halves_span_them():
+    test = [r.category for r in load_prompts("builtin:test")]
+    for n in range(2, len(test) + 1, 2):  # eval.max_prompts = n; the sweep alternates selection / confirmation
+        assert Counter(test[:n][0::2]) == Counter(test[:n][1::2]), n
+    assert len(set(test[0:20:2])) == len(set(test)) == 10  # the first 20 hold every category in each half
+    validation = [r.category for r in load_prompts("builtin:validation")]
+    assert len(set(validation[:12])) == 7 and len(set(validation)) == 10  # quickstart validates on the first 12
+
+
+def test_builtin_eval_names_the_splits_that_replaced_it():
+    for source, split in (("builtin:eval", None), ("builtin", "eval")):
+        with pytest.raises(ValueError, match="builtin:eval was split into builtin:validation .* and builtin:test"):
+            load_prompts(source, split=split)
+    with pytest.raises(ValueError, match="unknown builtin split 'tset'"):
+        load_prompts("builtin:tset")
+
+
+def test_interleave_categories_round_robin_in_runs():
+    records = [PromptRecord(id=f"{c}{i}", messages=user(f"{c} {i}"), category=c) for c, i in
+               [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("c", 0), ("c", 1), ("c", 2), ("c", 3)]]
+    assert [r.id for r in interleave_categories(records)] == ["a0", "b0", "c0", "a1", "c1", "a2", "c2", "c3"]
+    assert [r.id for r in interleave_categories(records, 2)] == ["a0", "a1", "b0", "c0", "c1", "a2", "c2", "c3"]
+    assert sorted(interleave_categories(records, 2), key=lambda r: r.id) == sorted(records, key=lambda r: r.id)
+
+
+def test_overlap_count_ignores_ids_case_and_spacing():
+    records = [PromptRecord(id="x", messages=user("What is  a  Cat?")), PromptRecord(id="y", messages=user("Other"))]
+    others = [PromptRecord(id="z", messages=user(" what is a cat? "))]
+    assert overlap_count(records, others) == 1 and overlap_count(others, records) == 1
+    assert overlap_count(records, [PromptRecord(id="x", messages=user("What is a dog?"))]) == 0  # same id, new text
 
 
 # ---------------------------------------------------------------------------------------------------------------

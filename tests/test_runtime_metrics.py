@@ -25,8 +25,6 @@ V, SUPPORT, LAMBDA = 12, 5, 0.6
 WEIGHTS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
 
 
-
-
 class BigramLM(torch.nn.Module):
     """Logits by current token from a (V, V) table; no state, so the cache is left empty."""
 
@@ -128,7 +126,10 @@ def test_stats_aggregate_and_merge():
     prompts = [[1, 2, 3], [4], [5, 6]]
     parts = [generate(target, draft, [p], num_draft_tokens=2, max_new_tokens=6) for p in prompts]
     whole = generate(target, draft, prompts, num_draft_tokens=2, max_new_tokens=6)
-    merged = merge_stats([part.stats for part in parts]).aggregate()
+    merged_stats = merge_stats([part.stats for part in parts])
+    merged = merged_stats.aggregate()
+    assert merged_stats.phases.verify_forwards == sum(part.stats.phases.verify_forwards for part in parts)
+    assert merged["decode_s"] == pytest.approx(sum(part.stats.phases.decode_s for part in parts))
     agg = whole.stats.aggregate()
     for key in ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "new_tokens"):
         assert merged[key] == agg[key], key
@@ -166,7 +167,7 @@ def test_run_bench_smoke():
             seed=0,
         )
     for mode in ("target_only", "speculative", "hf_assisted"):
-        assert result[mode]["new_tokens"] == 24
+        assert result[mode]["new_tokens"] == 2 * 8 * 3  # one full batch of 2 prompts, 8 tokens, 3 paired repeats
         assert result[mode]["wall_s"] > 0 and result[mode]["tokens_per_s"] > 0
     assert result["acceptance_rate"] == 1.0 and result["mean_accepted_length"] == 4.0  # the draft is the target
     for key in ("cost_ratio", "verify_cost_ratio", "analytic_speedup", "predicted_speedup", "speedup", "efficiency"):

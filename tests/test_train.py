@@ -393,7 +393,7 @@ def test_end_to_end_with_generated_teacher_data(tmp_path, tiny):
     teacher, tokenizer, _ = tiny
     data_settings = [
         "data.max_prompts=4",
-        "data.max_eval_prompts=2",
+        "data.max_validation_prompts=2",
         "data.max_new_tokens=4",
         "data.teacher_cache=true",
     ]

@@ -143,10 +143,11 @@ def apply_model_state(model, state: dict[str, torch.Tensor]) -> None:
 
 
 def rng_state() -> dict:
-    """This process's RNG states: python, numpy, torch CPU and every CUDA device."""
+    """This process's RNG states: python, numpy, torch CPU and its own CUDA device (not every visible one: a resume
+    may see fewer devices per process)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -154,8 +155,38 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, list):  # a checkpoint written with one state per visible device: this device's entry
+            device = torch.cuda.current_device()
+            cuda = cuda[device] if device < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+
+
+def resume_position(ckpt: Checkpoint, rank: int, world: int, global_batch: int, *, log=print) -> TrainerState:
+    """The checkpoint's loop state for this run, with this process's RNG streams restored (when the process count
+    is the checkpoint's) and the data position carried over to another global batch."""
+    state = ckpt.state
+    if state.world_size == world:
+        set_rng_state(ckpt.rng[rank])
+    else:
+        log(
+            f"warning: {ckpt.path} holds the RNG streams of {state.world_size} processes, this run has {world}: "
+            "the streams restart from the seed"
+        )
+    if state.global_batch != global_batch:  # another process count: carry the position over
+        state.batch = state.batch * state.global_batch // global_batch
+        log(f"warning: the global batch changed from {state.global_batch} to {global_batch} sequences")
+    state.world_size, state.global_batch = world, global_batch
+    return state
+
+
+def cut_metrics(path: Path, step: int) -> None:
+    """Drop the rows of metrics.jsonl logged after `step` (a resumed run logs them again)."""
+    if path.is_file():
+        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        atomic.write_text(path, "".join(row + "\n" for row in rows))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,11 +276,11 @@ def read_checkpoint(path: Path, *, adapter: bool, rank: int = 0) -> Checkpoint:
             # wrote ourselves, so full unpickling is acceptable for them. A rank the checkpoint has no partition for
             # (more processes now) reads none; the resume then refuses with the process counts.
             name = zero_file(rank)
-            mine = torch.load(path / name, weights_only=False) if rank < zero_ranks else None
+            mine = torch.load(path / name, weights_only=False, mmap=True) if rank < zero_ranks else None
             optimizer = {ZERO_KEY: mine, ZERO_RANKS: zero_ranks}
         else:
             name = "optimizer.pt"
-            optimizer = torch.load(path / name, weights_only=True)
+            optimizer = torch.load(path / name, weights_only=True, mmap=True)
         name = "scheduler.pt"
         scheduler = torch.load(path / name, weights_only=True)
         name = "rng.pt"

@@ -44,6 +44,10 @@ class TrainConfig:
     """Shard the teacher's weights over the processes (FSDP2, inference only) instead of a full copy on each:
     auto = when accelerate runs FSDP; always = also under DDP or on CPU (a large teacher, a small DDP student);
     never = a full copy on every process. One process never shards."""
+    timeout_minutes: float = 60.0
+    """Process-group timeout of a multi-process launch, for every stage (data, distill, eval): how long a collective
+    waits for the slowest rank (rank 0 downloading or converting the target, the last data shards) before the run
+    fails. torch's own default is 10 minutes under NCCL."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 0 or self.epochs < 0 or (self.max_steps == 0 and self.epochs == 0):
@@ -57,6 +61,8 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ValueError("warmup_steps, weight_decay and max_grad_norm must be >= 0")
+        if self.timeout_minutes <= 0:
+            raise ValueError(f"timeout_minutes must be > 0, got {self.timeout_minutes}")
 
 
 @dataclass

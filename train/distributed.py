@@ -1,4 +1,5 @@
-"""The multi-process pieces of the distillation recipe: FSDP teacher sharding and DeepSpeed (ZeRO-1/2).
+"""The multi-process pieces of the distillation recipe: process group and precision settings, FSDP teacher sharding,
+FSDP-aware gradient norms and best/ saves, and DeepSpeed (ZeRO-1/2).
 
     N GPUs (FSDP):     accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes N \
                            -m specdistill distill configs/llama-3.1-8b.yaml
@@ -14,21 +15,80 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object
-from torch import Tensor
+from peft import PeftModel, get_peft_model
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 
+from distill.students import merge_student
+from specdec_runtime.loading import resolve_dtype
 from train.checkpoint import ZERO_KEY, ZERO_RANKS, begin_staging, staging_dir, zero_file
 from train.config import TrainConfig
+
+# ----------------------------------------------------------------------------------------------------------------
+# Process group and precision
+
+
+def process_group_kwargs(timeout_minutes: float, *, gloo: bool = False) -> list[InitProcessGroupKwargs]:
+    """The Accelerator's kwargs_handlers: train.timeout_minutes as the process-group timeout (NCCL's default of 10
+    minutes kills a run whose rank 0 converts the target while the others wait), and gloo named where DeepSpeed runs
+    without CUDA. They apply when the recipe creates the process group; the CLI creates it first
+    (`specdistill.pipeline.dist_state`), with the same timeout."""
+    timeout = timedelta(minutes=timeout_minutes)
+    return [
+        InitProcessGroupKwargs(backend="gloo", timeout=timeout) if gloo else InitProcessGroupKwargs(timeout=timeout)
+    ]
+
+
+def fsdp_plugin(mixed_precision: str):
+    """The FSDP plugin of an `accelerate launch` with an FSDP config file (None without one), from the launcher's
+    settings as accelerate would build it, except that in bf16 FSDP2 reduces gradients in fp32.
+
+    accelerate's own policy casts params, gradient reduction and outputs alike to bf16, so gradients accumulated over
+    train.grad_accum micro-batches and averaged over ranks are summed in bf16, where DDP keeps fp32 gradients.
+    accelerate keeps a policy that is already set (`set_mixed_precision` without override)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if mixed_precision == "bf16" and plugin.fsdp_version == 2 and plugin.mixed_precision_policy is None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        bf16 = torch.bfloat16
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=bf16, reduce_dtype=torch.float32, output_dtype=bf16
+        )
+    return plugin
+
+
+def training_dtype(setting: str, device: torch.device) -> str:
+    """target.dtype resolved for the device the model runs on, wherever it is loaded: `auto` is bf16 for a teacher
+    loaded on the CPU to be sharded onto GPUs, as for one loaded on a GPU (and a bf16 file loaded in bf16 stays
+    memory-mapped, one page-cache copy for all ranks; an fp32 upcast is a private copy per rank)."""
+    return str(resolve_dtype(setting, str(device))).removeprefix("torch.")
+
+
+def global_norm(norm: Tensor | float) -> float:
+    """A gradient norm as one float, the same on every process. Under FSDP2 it is a DTensor, whose float() can be
+    this rank's partial norm (a `_NormPartial` placement): the logged grad_norm would be wrong, and the non-finite
+    check could stop one rank while the others wait in the next collective."""
+    from torch.distributed.tensor import DTensor
+
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Teacher placement
@@ -61,16 +121,73 @@ def shard_teacher(teacher, device: torch.device, world: int) -> str:
     total = sum(p.numel() for p in teacher.parameters())
     teacher.requires_grad_(False)
     mesh = init_device_mesh(device.type, (world,))
-    unit_names = set(getattr(teacher, "_no_split_modules", None) or [])
-    units = [m for m in teacher.modules() if type(m).__name__ in unit_names]
-    embeddings, head = teacher.get_input_embeddings(), teacher.get_output_embeddings()
-    if embeddings is not None and head is not None and head.weight is not embeddings.weight:
-        units += [embeddings, head]  # a tied pair shares one tensor, which can live in one unit only: the root
-    for module in units:
+    for module in shard_units(teacher):
         fully_shard(module, mesh=mesh, reshard_after_forward=True)
     fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
     local = sum(p.to_local().numel() for p in teacher.parameters())
     return f"teacher sharded over {world} processes (FSDP2): {local:,} of {total:,} parameters on this one"
+
+
+def shard_units(teacher: nn.Module) -> list[nn.Module]:
+    """The teacher's FSDP2 units besides the root, children before parents (post-order): `fully_shard` on a parent
+    claims the parameters of every submodule not yet sharded, so a nested unit must be sharded first. Units: the
+    `_no_split_modules` classes, and untied input embeddings and output head (a tied pair shares one tensor, which
+    can live in one unit only: the root)."""
+    unit_names = set(getattr(teacher, "_no_split_modules", None) or [])
+    embeddings, head = teacher.get_input_embeddings(), teacher.get_output_embeddings()
+    untied = embeddings is not None and head is not None and head.weight is not embeddings.weight
+    extra = {id(embeddings), id(head)} if untied else set()
+    return [m for m in _post_order(teacher) if m is not teacher and (type(m).__name__ in unit_names or id(m) in extra)]
+
+
+def _post_order(module: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Module]:
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    for child in module.children():
+        yield from _post_order(child, seen)
+    yield module
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# best/ under FSDP
+
+
+def best_model(student, full_state: dict | None) -> tuple[nn.Module, dict | None]:
+    """(model, state dict) for best/ on the main process, after every process took part in gathering `full_state`
+    (None without FSDP). A LoRA student is merged into a copy, and under FSDP that copy is built on the CPU from the
+    gathered weights: merging the sharded module itself would run collectives on one rank (a hang)."""
+    if not isinstance(student, PeftModel):
+        return student, full_state
+    if full_state is None:
+        return merge_student(student), None
+    return merged_from_state(student, full_state), None
+
+
+def merged_from_state(student: PeftModel, full_state: dict[str, Tensor]) -> nn.Module:
+    """A plain CPU model with `student`'s LoRA adapters merged, built from its full state dict: the structure on the
+    meta device, the gathered tensors assigned into it, the buffers a state dict lacks (non-persistent, e.g. rotary
+    frequencies; FSDP2 never shards buffers) copied from `student`."""
+    base = student.get_base_model()
+    name = student.active_adapter
+    with torch.device("meta"), warnings.catch_warnings():
+        # peft probes a property transformers 5 deprecated; nothing for users to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        fresh = get_peft_model(type(base)(copy.deepcopy(base.config)), copy.deepcopy(student.peft_config[name]))
+    _, unexpected = fresh.load_state_dict(full_state, strict=False, assign=True)
+    live = dict(student.named_buffers())
+    for key, buffer in list(fresh.named_buffers()):
+        if buffer.is_meta and key in live:
+            owner, _, leaf = key.rpartition(".")
+            fresh.get_submodule(owner)._buffers[leaf] = live[key].detach().to("cpu", copy=True)
+    merged = fresh.merge_and_unload()
+    merged.tie_weights()
+    left = [key for key, t in [*merged.named_parameters(), *merged.named_buffers()] if t.is_meta]
+    if left or unexpected:
+        raise RuntimeError(f"the gathered state does not fill the merged student: missing {left[:3]}, extra "
+                           f"{unexpected[:3]}")  # fmt: skip
+    return merged.eval()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -97,15 +214,14 @@ def deepspeed_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
-def deepspeed_process_group(target_device: str, on_cuda: bool) -> list[InitProcessGroupKwargs] | None:
-    """The Accelerator's kwargs_handlers under DeepSpeed. DeepSpeed never runs with cpu=True: it takes the GPUs
-    whatever target.device says (refused here), and without CUDA its CPU accelerator, where gloo must be named."""
+def check_deepspeed_device(target_device: str) -> None:
+    """DeepSpeed never runs with cpu=True: it takes the GPUs whatever target.device says (refused here), and without
+    CUDA its CPU accelerator, where gloo must be named (`process_group_kwargs`)."""
     if target_device == "cpu" and torch.cuda.is_available():
         raise ValueError(
             "DeepSpeed takes this machine's GPUs whatever target.device says: drop target.device=cpu, or launch "
             "without the DeepSpeed config file"
         )
-    return None if on_cuda else [InitProcessGroupKwargs(backend="gloo")]
 
 
 def check_grad_accum(accelerator: Accelerator, tc: TrainConfig) -> None:

@@ -59,6 +59,7 @@ from distill.data import (
     micro_batch_indices,
     on_policy_rows,
 )
+from distill.eagle3 import VOCAB_FILE, Eagle3Training, collate_eagle3
 from distill.objectives import batch_inputs, distill_loss, teacher_targets
 from distill.students import (
     DraftConfig,
@@ -66,7 +67,6 @@ from distill.students import (
     chunked_head,
     describe_student,
     lora_base,
-    merge_student,
     student_hidden,
 )
 from specdec_runtime.atomic import write_text
@@ -142,16 +142,18 @@ class DistillRecipe:
         self.run, self.tc, self.dc = run, run.train, run.distill
         self.cand, self.ckpt_root = run.out_dir, run.out_dir / "checkpoints"
         self.cache = run.distill.teacher == "cache"  # the teacher's top-k comes from the data; no teacher forward
+        self.eagle3: Eagle3Training | None = None  # draft.init=eagle3: its loss and validation (distill/eagle3.py)
         target = run.target  # every load_model call's options
         self.load_options = dict(
             dtype=target.dtype, trust_remote_code=target.trust_remote_code, allow_pickle=target.allow_pickle
         )
 
     def setup(self, teacher_data: TeacherData, *, teacher=None, tokenizer=None) -> None:
+        self.parked = None  # (a given teacher moved to the CPU while a sharded copy trains, its device)
         self._setup_accelerator()
         self._setup_output_dir()
         teacher, self.tokenizer = self._setup_teacher(teacher, tokenizer)
-        self.student = self._setup_student(teacher)
+        self.student = self._setup_student(teacher, teacher_data)
         self.teacher = self._place_teacher(teacher)
         set_seed(self.run.seed + self.rank)  # per-process streams from here on: dropout, on-policy sampling
         self._setup_data(teacher_data)
@@ -169,7 +171,9 @@ class DistillRecipe:
         on_cuda = torch.cuda.is_available() and target_device != "cpu"
         precision = ("bf16" if on_cuda else "no") if tc.mixed_precision == "auto" else tc.mixed_precision
         self.deepspeed = distributed.deepspeed_requested()
-        handlers = distributed.deepspeed_process_group(target_device, on_cuda) if self.deepspeed else None
+        if self.deepspeed:
+            distributed.check_deepspeed_device(target_device)
+        handlers = distributed.process_group_kwargs(tc.timeout_minutes, gloo=self.deepspeed and not on_cuda)
         # accelerate keeps one AcceleratorState per process and refuses an Accelerator with other settings (a second
         # candidate with another mixed_precision): each recipe starts its own; the process group (PartialState)
         # stays. A private accelerate call, checked with accelerate 1.15; GradientState takes the new accumulation.
@@ -179,6 +183,7 @@ class DistillRecipe:
             mixed_precision=precision,
             cpu=not on_cuda and not self.deepspeed,
             kwargs_handlers=handlers,
+            fsdp_plugin=distributed.fsdp_plugin(precision),  # FSDP2 reduces bf16 gradients in fp32
         )
         self.rank, self.world, self.device = acc.process_index, acc.num_processes, acc.device
         self.is_main, self.fsdp = acc.is_main_process, acc.distributed_type == DistributedType.FSDP
@@ -188,6 +193,9 @@ class DistillRecipe:
         self.shard = distributed.should_shard_teacher(
             tc.shard_teacher, acc.distributed_type, world=self.world, cache=self.cache
         )
+        # auto: the dtype of the device the teacher runs on (the cache's teacher never runs: it only seeds the student)
+        runs_on = torch.device("cpu") if self.cache else self.device
+        self.load_options["dtype"] = distributed.training_dtype(self.run.target.dtype, runs_on)
 
     def _setup_output_dir(self) -> None:
         """The candidate folder and config.yaml; train.resume=false drops the previous checkpoints, best/, DONE."""
@@ -196,24 +204,38 @@ class DistillRecipe:
             if not self.tc.resume:
                 for name in ("checkpoints", "best", LORA_BASE):
                     shutil.rmtree(self.cand / name, ignore_errors=True)
-                for name in ("metrics.jsonl", "DONE"):
+                for name in ("metrics.jsonl", "DONE", VOCAB_FILE):
                     (self.cand / name).unlink(missing_ok=True)
             write_text(self.cand / "config.yaml", self.run.resolved_yaml)
         self.accelerator.wait_for_everyone()
 
     def _setup_teacher(self, teacher, tokenizer):
-        """The given target, else loaded: on the CPU with the offline cache (it only builds the student, never runs a
-        forward) or when it is to be sharded (it reaches the device one shard per process)."""
-        if teacher is not None:
+        """The given target, else loaded: on the CPU with the offline cache (it only builds the student, in fp32,
+        never runs a forward) or when it is to be sharded (it reaches the device one shard per process). A given
+        target not used as it is waits on the CPU until `cleanup` puts it back, so the device never holds two."""
+        if teacher is not None and not (self.cache or self.shard):
             return teacher, tokenizer
+        if teacher is not None:
+            self.parked = (teacher, teacher.device)
+            teacher.to("cpu")
         device = "cpu" if self.cache or self.shard else str(self.device)
         with self.accelerator.main_process_first():  # the first load may convert a GGUF into the shared cache
             return load_model(self.run.target.model, device=device, **self.load_options)
 
-    def _setup_student(self, teacher):
+    def _setup_student(self, teacher, teacher_data: TeacherData):
         """The student built from the teacher, in fp32 master weights: with bf16 accelerate autocasts the forward
         (DeepSpeed instead casts the model to bf16 and keeps fp32 masters in its optimizer partitions)."""
-        load_draft = functools.partial(load_model, device=str(teacher.device), **self.load_options)
+        if self.run.draft.init == "eagle3":
+            set_seed(self.run.seed)
+            self.eagle3 = Eagle3Training.setup(
+                teacher, self.run.draft, self.dc, teacher_data, self.cand, device=self.device, is_main=self.is_main,
+                log=self.accelerator.print,
+            )  # fmt: skip
+            return self.eagle3.student
+        # fp32 whatever target.dtype says: a pretrained student loaded in bf16 would be rounded before .float()
+        load_draft = functools.partial(
+            load_model, **self.load_options | {"device": str(teacher.device), "dtype": "float32"}
+        )
         check_vocab = functools.partial(check_vocab_compatible, self.tokenizer)
         set_seed(self.run.seed)  # the same student on every process: init=config draws random weights
         student = build_student(
@@ -235,6 +257,7 @@ class DistillRecipe:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         columns = ["input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if self.cache else [])
+        columns += self.eagle3.columns if self.eagle3 else []
         log = self.accelerator.print
         load = functools.partial(load_training_split, columns=columns, max_seq_len=tc.max_seq_len, log=log)
         self.train_ds, self.eval_ds = load(teacher_data.train, split="train"), load(teacher_data.eval, split="eval")
@@ -296,7 +319,9 @@ class DistillRecipe:
         acc, world = self.accelerator, self.world
         # Checked on the plain fp32 student, before accelerate wraps its forward in autocast. FSDP shards the head's
         # weight, which the loss could not multiply by: the full-logits path there.
-        chunk_head = self.dc.chunked_head and not self.fsdp and chunked_head(self.student) is not None
+        chunk_head = (
+            not self.eagle3 and self.dc.chunked_head and not self.fsdp and chunked_head(self.student) is not None
+        )
         self.student, self.prepared_optimizer = acc.prepare(self.student, self.optimizer)
         distributed.check_grad_accum(acc, self.tc)  # DeepSpeed's config may have replaced it in prepare
         self.head = acc.unwrap_model(self.student).get_output_embeddings().weight if chunk_head else None
@@ -306,29 +331,10 @@ class DistillRecipe:
                 self.student, self.optimizer, saved, deepspeed=ds, world=world, path=ckpt.path
             )
             self.scheduler.load_state_dict(ckpt.scheduler)
-            self.state = state = ckpt.state
-            if state.world_size == world:
-                checkpoint.set_rng_state(ckpt.rng[self.rank])
-            else:
-                acc.print(
-                    f"warning: {ckpt.path} holds the RNG streams of {state.world_size} processes, this run has "
-                    f"{world}: the streams restart from the seed"
-                )
-            if state.global_batch != self.global_batch:  # another process count: carry the position over
-                state.batch = state.batch * state.global_batch // self.global_batch
-                acc.print(
-                    f"warning: the global batch changed from {state.global_batch} to {self.global_batch} sequences"
-                )
-            state.world_size, state.global_batch = world, self.global_batch
-            acc.print(f"resumed {self.run.name} from {ckpt.path} (step {state.step} of {self.total})")
-        metrics = self.cand / "metrics.jsonl"
-        if self.is_main and metrics.is_file():  # rows logged after the resumed step are about to be logged again
-            rows = [
-                line
-                for line in metrics.read_text().splitlines()
-                if line and json.loads(line)["step"] <= self.state.step
-            ]
-            write_text(metrics, "".join(row + "\n" for row in rows))
+            self.state = checkpoint.resume_position(ckpt, self.rank, world, self.global_batch, log=acc.print)
+            acc.print(f"resumed {self.run.name} from {ckpt.path} (step {self.state.step} of {self.total})")
+        if self.is_main:  # rows logged after the resumed step are about to be logged again
+            checkpoint.cut_metrics(self.cand / "metrics.jsonl", self.state.step)
 
     # ------------------------------------------------------------------------------------------------------------
     # The loop
@@ -361,7 +367,7 @@ class DistillRecipe:
                 # Under DeepSpeed this only reports the norm: it clipped (gradient_clipping) and stepped in backward,
                 # so a non-finite step is already applied in memory below; nothing of it reaches a checkpoint.
                 grad_norm = acc.clip_grad_norm_(self.student.parameters(), tc.max_grad_norm or float("inf"))
-                step_loss, grad_norm = acc.reduce(step_loss, "sum").item(), float(grad_norm)
+                step_loss, grad_norm = acc.reduce(step_loss, "sum").item(), distributed.global_norm(grad_norm)
                 self._check_finite(step_loss, grad_norm)
 
                 # 3. The optimizer step.
@@ -414,7 +420,9 @@ class DistillRecipe:
         # The coin depends on (seed, step, micro) only: every process and every resume flips the same one.
         if lmbda > 0 and np.random.default_rng([self.run.seed, state.step, micro]).random() < lmbda:
             rows = on_policy_rows(self.accelerator.unwrap_model(self.student), rows, **self.on_policy)
-        batch = collate(rows, max_seq_len=self.tc.max_seq_len, pad_id=self.pad_id, topk=self.cache)
+        batch = (collate_eagle3 if self.eagle3 else collate)(
+            rows, max_seq_len=self.tc.max_seq_len, pad_id=self.pad_id, topk=self.cache
+        )
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def _loss_step(self, batch: dict[str, Tensor], num_items: Tensor) -> Tensor:
@@ -423,6 +431,8 @@ class DistillRecipe:
         With the chunked head the student returns hidden states and the loss applies the head chunk by chunk, so
         the head matmul runs here: it enters the autocast accelerate would have applied inside the forward.
         """
+        if self.eagle3:
+            return self.eagle3.loss(self.student, self.teacher, batch, num_items, self.dc)
         student, head, labels = self.student, self.head, batch["labels"]
         targets = teacher_targets(self.teacher, batch)
         if head is None:
@@ -455,7 +465,8 @@ class DistillRecipe:
     def validate(self) -> None:
         """Validation metrics, logged; best/ replaced when expected_acceptance improved."""
         state, acc = self.state, self.accelerator
-        metrics = evaluate(self.student, self.teacher, self.eval_ds, acc, self.dc, self.tc, self.pad_id)
+        evaluate_fn = self.eagle3.evaluate if self.eagle3 else evaluate
+        metrics = evaluate_fn(self.student, self.teacher, self.eval_ds, acc, self.dc, self.tc, self.pad_id)
         state.last_eval_step = state.step
         state.history.append({"step": state.step, **metrics})
         self._log(metrics)
@@ -464,10 +475,8 @@ class DistillRecipe:
             return
         state.best_metric, state.best_step = metrics["eval/expected_acceptance"], state.step
         full_state = self._full_state()
-        if self.is_main:
-            unwrapped = acc.unwrap_model(self.student)
-            merged = merge_student(unwrapped)  # LoRA merged into a copy; a plain student comes back as is
-            write = self._writer(merged, full_state if merged is unwrapped else None)
+        if self.is_main:  # LoRA merged into a copy (under FSDP built from full_state); a plain student as is
+            write = self._writer(*distributed.best_model(acc.unwrap_model(self.student), full_state))
             checkpoint.save_best(self.cand / "best", write, {"step": state.step, "candidate": self.run.name, **metrics})
         acc.wait_for_everyone()
 
@@ -495,3 +504,6 @@ class DistillRecipe:
 
     def cleanup(self) -> None:
         self.tracker.finish()
+        if self.parked is not None:
+            teacher, device = self.parked
+            teacher.to(device)

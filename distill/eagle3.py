@@ -1,0 +1,446 @@
+"""Training an EAGLE-3 draft head (`draft.init: eagle3`): draft vocabulary, training-time-test loss, validation.
+
+    draft = build_eagle3_student(teacher, cfg.draft, teacher_data.train, cand_dir)   # vocabulary counted once
+    loss = eagle3_loss(draft, embed_weight, teacher, batch, num_items, cfg.draft, cfg.distill, aux_index)
+    metrics = evaluate_eagle3(draft, teacher, embed_weight, eval_ds, accelerator, cfg.draft, cfg.distill, ...)
+
+Alignment (EAGLE-3; SpecForge `OnlineEagle3Model`): draft row t reads the teacher's aux hidden states of token t and
+the embedding of token t+1 at position t, and learns the teacher's distribution at position t+1 (the one that
+predicted token t+2). Training-time test unrolls `draft.ttt_depth` steps: step j feeds step j-1's pre-norm output as
+the hidden state, the ground-truth token t+1+j and position t+j, and attends the step-0 keys causally plus the
+earlier steps' keys at the same row (`specdec_runtime.eagle3.ttt_mask`); its loss is weighted ttt_decay^j. The
+objectives of `distill.objectives` run over the draft vocabulary: the teacher's logits restricted to it (so its
+probabilities are renormalised over it) and positions whose teacher argmax lies outside it masked (SpecForge).
+
+Validation measures the real thing instead: the draft's probabilities scattered to target ids (zero elsewhere)
+against the teacher's full distribution, per unrolled position, and the chain tau those acceptances imply.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from distill.data import AUX_HIDDEN as AUX_COLUMN
+from distill.data import COMPLETE, IGNORE, collate, fetch_rows, load_teacher_data
+from distill.objectives import (
+    TeacherTargets,
+    distill_loss,
+    expected_acceptance_from_logits,
+    greedy_match,
+    topk_agreement_sums,
+)
+from specdec_runtime.eagle3 import (
+    Eagle3Cache,
+    Eagle3Draft,
+    default_aux_layers,
+    target_aux_forward,
+    target_ids,
+    to_target_logits,
+    ttt_mask,
+)
+
+VOCAB_FILE = "draft_vocab.json"  # <cand>/draft_vocab.json: the draft vocabulary, counted once per candidate
+# A finite stand-in for log 0 in dense teacher logits built from the top-k cache: exp() is exactly 0 in fp32, and
+# 0 * (finite) keeps the KL terms finite where -inf would give 0 * inf = NaN.
+LOG_ZERO = -1e4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Draft vocabulary and the student
+
+
+def response_token_counts(train: Path, vocab_size: int) -> np.ndarray:
+    """(V,) how often each id occurs among the loss-masked (response) tokens of the training data."""
+    ds = load_teacher_data(train).select_columns(["input_ids", "prompt_len"])
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for row in ds.iter(batch_size=256):
+        for ids, p in zip(row["input_ids"], row["prompt_len"]):
+            counts += np.bincount(np.asarray(ids[p:], dtype=np.int64), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def choose_draft_vocab(counts: np.ndarray, size: int) -> tuple[list[int], float]:
+    """The `size` most frequent ids (ties and never-seen fillers by ascending id), sorted ascending, and the share
+    of the counted tokens they cover."""
+    order = np.lexsort((np.arange(len(counts)), -counts))[:size]  # by count descending, then id
+    ids = sorted(int(i) for i in order)
+    total = int(counts.sum())
+    return ids, float(counts[ids].sum() / total) if total else 1.0
+
+
+def draft_vocab(train: Path, cand: Path, size: int, vocab_size: int, log: Callable[[str], object] = print) -> dict:
+    """{"ids", "coverage", "size", "response_tokens"}: read from <cand>/draft_vocab.json when a previous run of the
+    candidate wrote it (never rebuilt on resume), else counted from the training responses and written there."""
+    path = cand / VOCAB_FILE
+    if path.is_file():
+        vocab = json.loads(path.read_text())
+        log(f"eagle3: draft vocabulary of {vocab['size']} tokens from {path} (coverage {vocab['coverage']:.4f})")
+        return vocab
+    size = min(size, vocab_size)
+    counts = response_token_counts(train, vocab_size)
+    ids, coverage = choose_draft_vocab(counts, size)
+    vocab = {"size": size, "coverage": coverage, "response_tokens": int(counts.sum()), "ids": ids}
+    log(
+        f"eagle3: draft vocabulary of {size} of {vocab_size} tokens covers {coverage:.4f} of the "
+        f"{vocab['response_tokens']} training response tokens"
+    )
+    return vocab
+
+
+def build_eagle3_student(teacher, draft_cfg, train: Path, cand: Path, *, is_main: bool = True, log=print):
+    """A new EAGLE-3 head for `teacher` (fp32, on its device) and its vocabulary record; the main process writes
+    <cand>/draft_vocab.json the first time (`draft_vocab`)."""
+    L, V = teacher.config.num_hidden_layers, teacher.config.vocab_size
+    vocab = draft_vocab(train, cand, draft_cfg.draft_vocab_size, V, log=log)
+    if is_main and not (cand / VOCAB_FILE).is_file():
+        from specdec_runtime.atomic import write_text
+
+        write_text(cand / VOCAB_FILE, json.dumps(vocab))
+    aux = draft_cfg.aux_layers if draft_cfg.aux_layers is not None else default_aux_layers(L)
+    student = Eagle3Draft.from_target(teacher, torch.tensor(vocab["ids"]), aux)
+    student.lm_head.weight.requires_grad_(not draft_cfg.freeze_lm_head)
+    student.vocab_coverage = vocab["coverage"]
+    return student.float().train()
+
+
+def describe_eagle3(student: Eagle3Draft, teacher) -> str:
+    """One line: sizes, parameters and matmul FLOPs per drafted token relative to the teacher's."""
+    params = sum(p.numel() for p in student.parameters())
+    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    embedding = teacher.get_input_embeddings().weight
+    teacher_matmul = sum(p.numel() for p in teacher.parameters() if p is not embedding)
+    teacher_matmul += embedding.numel() if teacher.get_output_embeddings().weight is embedding else 0
+    # Later drafted tokens skip fc (their hidden state is already H wide): the per-token cost of a draft step.
+    flop_ratio = (params - student.fc.weight.numel()) / teacher_matmul
+    cfg = student.config
+    return (
+        f"student: EAGLE-3 head, hidden {cfg.hidden_size}, draft vocabulary {student.lm_head.out_features} of "
+        f"{cfg.vocab_size} (coverage {getattr(student, 'vocab_coverage', float('nan')):.4f}), "
+        f"{params / 1e6:.2f}M params ({trainable / 1e6:.2f}M trainable) | teacher: "
+        f"{teacher.config.num_hidden_layers} layers | flop_ratio {flop_ratio:.3f} per drafted token"
+    )
+
+
+def frozen_embedding(teacher, device) -> Tensor:
+    """(V, H) fp32 copy of the teacher's input embeddings on `device`: frozen, shared by nothing, so the offline
+    cache can drop the teacher."""
+    return teacher.get_input_embeddings().weight.detach().float().to(device).clone()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batches and teacher targets
+
+
+def collate_eagle3(rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool) -> dict[str, Tensor]:
+    """`distill.data.collate`, plus the cached aux hidden states (B, T, n_aux * H) fp16 when the rows carry them."""
+    batch = collate(rows, max_seq_len=max_seq_len, pad_id=pad_id, topk=topk)
+    if rows and AUX_COLUMN in rows[0]:
+        B, T = batch["input_ids"].shape
+        width = next(len(r[AUX_COLUMN][0]) for r in rows if len(r[AUX_COLUMN]))
+        aux = torch.zeros(B, T, width, dtype=torch.float16)
+        for b, row in enumerate(rows):
+            rows_b = torch.tensor(np.asarray(row[AUX_COLUMN][:max_seq_len], dtype=np.float16))
+            aux[b, : len(rows_b)] = rows_b
+        batch[AUX_COLUMN] = aux
+    return batch
+
+
+def cache_aux_index(stored: list[int], wanted: list[int], hidden_size: int) -> Tensor:
+    """Column indices into the cached (..., len(stored) * H) aux states that give `wanted`'s (..., 3H)."""
+    missing = [i for i in wanted if i not in stored]
+    if missing:
+        raise ValueError(
+            f"the offline teacher cache holds the hidden states of layers {stored}, not {missing}: regenerate the "
+            "data (specdistill data) with this candidate's draft.aux_layers"
+        )
+    return torch.cat([torch.arange(hidden_size) + stored.index(i) * hidden_size for i in wanted])
+
+
+def teacher_view(teacher, batch: dict[str, Tensor], aux_layers: list[int], aux_index: Tensor | None):
+    """(aux hidden states (B, T, 3H), teacher logits (B, T, V) or None, top-k (ids, logprobs) or None) from one
+    teacher forward, or from the batch's offline cache when `teacher` is None. No autograd graph."""
+    if teacher is None:
+        aux = batch[AUX_COLUMN].index_select(-1, aux_index.to(batch[AUX_COLUMN].device))
+        return aux.float(), None, (batch["topk_ids"], batch["topk_logprobs"])
+    with torch.no_grad():  # not inference_mode: the aux states feed the student's autograd graph
+        logits, aux = target_aux_forward(
+            teacher, batch["input_ids"], aux_layers, attention_mask=batch["attention_mask"], use_cache=False
+        )
+    return aux, logits, None
+
+
+def shift(x: Tensor, n: int, fill) -> Tensor:
+    """x[:, t + n] at row t along dim 1, `fill` past the end: (B, T, ...) -> (B, T, ...)."""
+    out = torch.full_like(x, fill)
+    out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def draft_targets(student: Eagle3Draft, logits: Tensor | None, topk) -> tuple[Tensor, Tensor]:
+    """(teacher logits over the draft vocabulary (B, T, Vd) fp32, teacher argmax in the draft vocabulary (B, T))."""
+    keep = target_ids(student.d2t)  # (Vd,)
+    if logits is not None:
+        return logits[..., keep].float(), student.t2d[logits.argmax(-1)]
+    ids, logprobs = topk[0].long(), topk[1].float()  # (B, T, K)
+    index = torch.cumsum(student.t2d.long(), 0) - 1  # target id -> draft index where t2d
+    inside = student.t2d[ids]
+    # Top-k ids are distinct, so the kept ones land on distinct columns; the others go to a spare last column.
+    dense = logprobs.new_full((*ids.shape[:2], len(keep) + 1), LOG_ZERO)
+    dense.scatter_(-1, torch.where(inside, index[ids], len(keep)), torch.where(inside, logprobs, LOG_ZERO))
+    top1 = ids.gather(-1, logprobs.argmax(-1, keepdim=True))[..., 0]  # (B, T)
+    return dense[..., :-1], student.t2d[top1]
+
+
+def draft_labels(student: Eagle3Draft, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(labels as draft-vocabulary indices (B, T), whether each label lies in the draft vocabulary (B, T))."""
+    safe = labels.clamp(min=0)
+    index = torch.cumsum(student.t2d.long(), 0) - 1
+    return index[safe].clamp(min=0), student.t2d[safe] & (labels != IGNORE)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The training-time-test loss
+
+
+def unrolled_steps(student, embed_weight: Tensor, batch: dict[str, Tensor], view, draft_cfg, dc, num_items):
+    """Yield (step j, draft logits (B, T, Vd), step j's objective summed over its valid rows / num_items, its
+    terms) for j < draft.ttt_depth, from `teacher_view`'s output `view`. Step j's rows sit at positions t + j, read
+    the embedding of token t + 1 + j and learn the teacher's distribution at position t + 1 + j."""
+    plain = _unwrap(student)
+    aux, logits, topk = view
+    teacher_d, in_vocab = draft_targets(plain, logits, topk)  # (B, T, Vd), (B, T)
+    labels = batch["labels"]
+    valid = labels != IGNORE
+    labels_d, label_in = draft_labels(plain, labels) if "ce" in dc.objective else (labels.clamp(min=0), valid)
+    dtype = plain.fc.weight.dtype  # fp32 masters (autocast runs the matmuls in bf16), or DeepSpeed's bf16 copy
+    embeds = nn.functional.embedding(batch["input_ids"], embed_weight).to(dtype)  # (B, T, H), frozen
+    B, T, _ = embeds.shape
+    position = torch.arange(T, device=embeds.device).expand(B, T)
+    hidden, cache = aux.to(dtype), Eagle3Cache()
+    for j in range(draft_cfg.ttt_depth):
+        n = 1 + j
+        draft_logits, hidden = student(
+            hidden, shift(embeds, n, 0.0), position + j, cache, ttt_mask(T, j, embeds.device)
+        )
+        loss, terms = distill_loss(
+            draft_logits,
+            TeacherTargets(logits=shift(teacher_d, n, LOG_ZERO)),
+            shift(labels_d, n, 0),
+            shift(valid & in_vocab & label_in, n, False),
+            dc.objective,
+            kd_temperature=dc.kd_temperature,
+            beta=dc.beta,
+            num_items=num_items,
+            chunk_size=dc.chunk_size,
+        )
+        yield j, draft_logits, loss, terms
+
+
+def eagle3_loss(
+    student,
+    embed_weight: Tensor,
+    teacher,
+    batch: dict[str, Tensor],
+    num_items: Tensor | int,
+    draft_cfg,
+    dc,
+    aux_index: Tensor | None,
+    *,
+    aux_layers: list[int],
+) -> Tensor:
+    """This micro-batch's share of the step loss: sum_j ttt_decay^j x (the objective of unrolled step j summed over
+    its valid rows) / `num_items`, the step's global response-token count. `student` may be the prepared (DDP /
+    FSDP / DeepSpeed) module: every step goes through its forward."""
+    view = teacher_view(teacher, batch, aux_layers, aux_index)
+    steps = unrolled_steps(student, embed_weight, batch, view, draft_cfg, dc, num_items)
+    return sum(draft_cfg.ttt_decay**j * loss for j, _, loss, _ in steps)
+
+
+def _unwrap(model):
+    """The Eagle3Draft inside a DDP / FSDP / DeepSpeed wrapper (for its buffers; forwards go through the wrapper)."""
+    while not isinstance(model, Eagle3Draft) and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+@torch.no_grad()
+def eagle3_validation_sums(
+    student, embed_weight: Tensor, teacher, batch, draft_cfg, dc, aux_index, *, aux_layers: list[int]
+) -> Tensor:
+    """One batch's sums, fp32 (2 + 3 x depth,): [loss, response tokens] then per unrolled position j [expected
+    acceptance sum_v min(p_v, q_v), greedy top-1 match, valid rows], with q the draft's distribution scattered to
+    target ids (0 off its vocabulary) and p the teacher's full one (or the offline cache's K+1 buckets)."""
+    plain = _unwrap(student)
+    view = teacher_view(teacher, batch, aux_layers, aux_index)
+    _, logits, topk = view
+    valid = batch["labels"] != IGNORE
+    rows = [valid.new_zeros((), dtype=torch.float32), valid.sum().float()]
+    for j, draft_logits, loss, _ in unrolled_steps(student, embed_weight, batch, view, draft_cfg, dc, 1):
+        n, mask = 1 + j, shift(valid, 1 + j, False)
+        rows[0] = rows[0] + draft_cfg.ttt_decay**j * loss.float()
+        accept = agree = torch.zeros((), device=mask.device)
+        for b in range(mask.shape[0]):  # one row at a time: the (T, V) target-id logits are the large tensor
+            q = to_target_logits(draft_logits[b : b + 1].float(), plain.d2t, plain.target_vocab)  # (1, T, V)
+            m = mask[b : b + 1]
+            if logits is not None:
+                p = shift(logits[b : b + 1], n, 0.0)
+                accept = accept + expected_acceptance_from_logits(q, p, m, num_items=1, chunk_size=dc.chunk_size)
+                agree = agree + greedy_match(q, p, m, num_items=1)
+            else:
+                a, g = topk_agreement_sums(q, shift(topk[1][b : b + 1], n, 0.0), shift(topk[0][b : b + 1], n, 0), m)
+                accept, agree = accept + a, agree + g
+        rows += [accept, agree, mask.sum().float()]
+    return torch.stack([r.float() for r in rows])
+
+
+def chain_tau(acceptance: list[float]) -> float:
+    """Tokens per verify step of a chain drafting len(acceptance) tokens whose position i is accepted with
+    probability acceptance[i] given the earlier ones were: 1 + sum_k prod_{i < k} acceptance[i]."""
+    tau, alive = 1.0, 1.0
+    for a in acceptance:
+        alive *= a
+        tau += alive
+    return tau
+
+
+@torch.no_grad()
+def evaluate_eagle3(
+    student, teacher, embed_weight: Tensor, eval_ds, accelerator, draft_cfg, dc, tc, pad_id: int, aux_index, *,
+    aux_layers: list[int], coverage: float,
+) -> dict[str, float]:  # fmt: skip
+    """Validation metrics over the held-out data, all-reduced over processes (rows split as in
+    `train.validation.evaluate`, short ranks padded with a response-less copy of row 0):
+
+    eval/loss, eval/expected_acceptance and eval/greedy_match (position 0, the numbers standalone drafts report),
+    eval/expected_acceptance_{j} and eval/greedy_match_{j} per unrolled position j, eval/simulated_tau (the chain
+    tau of ttt_depth tokens sampled at temperature 1) and eval/simulated_tau_greedy (temperature 0), eval/tokens,
+    eval/draft_vocab_coverage (of the training responses)."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(eval_ds), world))
+    mine += [None] * (math.ceil(len(eval_ds) / world) - len(mine))
+    student.eval()
+    sums = None
+    for start in range(0, len(mine), tc.batch_size):
+        chunk = mine[start : start + tc.batch_size]
+        rows = fetch_rows(eval_ds, [i if i is not None else 0 for i in chunk])
+        rows = [row if i is not None else _no_response(row) for i, row in zip(chunk, rows)]
+        batch = collate_eagle3(rows, max_seq_len=tc.max_seq_len, pad_id=pad_id, topk=teacher is None)
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        row = eagle3_validation_sums(
+            student, embed_weight, teacher, batch, draft_cfg, dc, aux_index, aux_layers=aux_layers
+        )
+        sums = row if sums is None else sums + row
+    student.train()
+    sums = accelerator.reduce(sums, "sum").tolist()
+    depth = draft_cfg.ttt_depth
+    per = [sums[2 + 3 * j : 5 + 3 * j] for j in range(depth)]  # [accept, agree, rows] per position
+    accept = [a / max(n, 1.0) for a, _, n in per]
+    agree = [g / max(n, 1.0) for _, g, n in per]
+    metrics = {
+        "eval/loss": sums[0] / max(sums[1], 1.0),
+        "eval/expected_acceptance": accept[0],
+        "eval/greedy_match": agree[0],
+        "eval/tokens": sums[1],
+        "eval/simulated_tau": chain_tau(accept),
+        "eval/simulated_tau_greedy": chain_tau(agree),
+        "eval/draft_vocab_coverage": coverage,
+    }
+    metrics |= {f"eval/expected_acceptance_{j}": a for j, a in enumerate(accept)}
+    return metrics | {f"eval/greedy_match_{j}": g for j, g in enumerate(agree)}
+
+
+def _no_response(row: dict) -> dict:
+    out = row | {"prompt_len": len(row["input_ids"]), "topk_ids": [], "topk_logprobs": []}
+    return out if AUX_COLUMN not in row else out | {AUX_COLUMN: row[AUX_COLUMN]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the distillation recipe calls
+
+
+@dataclass
+class Eagle3Training:
+    """The EAGLE-3 parts of one candidate's distillation: its student, the frozen embeddings, which aux states it
+    reads, and the loss and validation the recipe calls in place of the standalone ones (same signatures)."""
+
+    student: Eagle3Draft
+    """The head being trained (fp32, on the recipe's device)."""
+    embed_weight: Tensor
+    """(V, H) frozen fp32 copy of the teacher's input embeddings."""
+    draft: object
+    """The candidate's DraftConfig."""
+    aux_layers: list[int]
+    """The teacher layers the head reads (HF output_hidden_states indices)."""
+    aux_index: Tensor | None
+    """Offline cache: columns of the cached aux states that give `aux_layers`; None with the teacher online."""
+    coverage: float
+    """Share of the training response tokens inside the draft vocabulary."""
+
+    @property
+    def columns(self) -> list[str]:
+        """Dataset columns the recipe must load besides the standalone ones."""
+        return [AUX_COLUMN] if self.aux_index is not None else []
+
+    @classmethod
+    def setup(cls, teacher, draft_cfg, dc, teacher_data, cand: Path, *, device, is_main: bool, log=print):
+        if dc.lmbda > 0:
+            raise ValueError("distill.lmbda > 0 (on-policy data) is not supported for draft.init=eagle3; set it to 0")
+        student = build_eagle3_student(teacher, draft_cfg, teacher_data.train, cand, is_main=is_main, log=log)
+        L, H = teacher.config.num_hidden_layers, teacher.config.hidden_size
+        aux = student.aux_layers(L)
+        index = None
+        if dc.teacher == "cache":
+            stored = cached_layers_of(teacher_data.train)
+            if stored is None:
+                raise ValueError(
+                    f"{teacher_data.train} holds no aux hidden states: an EAGLE-3 candidate with distill.teacher=cache "
+                    "needs data generated with data.teacher_cache=true after this candidate was configured"
+                )
+            index = cache_aux_index(stored, aux, H)
+        log(describe_eagle3(student, teacher))
+        embed = frozen_embedding(teacher, device)
+        return cls(student.to(device), embed, draft_cfg, aux, index, student.vocab_coverage)
+
+    def loss(self, student, teacher, batch: dict[str, Tensor], num_items, dc) -> Tensor:
+        return eagle3_loss(
+            student, self.embed_weight, teacher, batch, num_items, self.draft, dc, self.aux_index,
+            aux_layers=self.aux_layers,
+        )  # fmt: skip
+
+    def evaluate(self, student, teacher, eval_ds, accelerator, dc, tc, pad_id: int) -> dict[str, float]:
+        return evaluate_eagle3(
+            student, teacher, self.embed_weight, eval_ds, accelerator, self.draft, dc, tc, pad_id, self.aux_index,
+            aux_layers=self.aux_layers, coverage=self.coverage,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The offline cache's aux layers
+
+
+def cached_aux_layers(candidates, num_layers: int) -> list[int] | None:
+    """The aux layers the offline teacher cache must store: the union (sorted) of every EAGLE-3 candidate's that
+    trains from the cache (`candidates`: (DraftConfig, DistillConfig) pairs), None when none does."""
+    layers = set()
+    for draft, distill in candidates:
+        if draft.init == "eagle3" and distill.teacher == "cache":
+            layers |= set(draft.aux_layers if draft.aux_layers is not None else default_aux_layers(num_layers))
+    return sorted(layers) or None
+
+
+def cached_layers_of(path: Path) -> list[int] | None:
+    """The aux layers whose hidden states the finished teacher dataset at `path` holds (None: none)."""
+    text = (Path(path) / COMPLETE).read_text()
+    return json.loads(text).get("aux_layers") if text.strip() else None

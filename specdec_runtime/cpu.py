@@ -1,0 +1,144 @@
+"""CPU fast path: the compact Llama (static per-row cache, `llama.py`) with weight layouts that suit CPU GEMMs.
+
+At batch 1 a small decoder is memory-bound on a CPU as on a GPU: each forward streams every weight once, so a verify
+over gamma + 1 tokens should cost about one decode step. `F.linear` on a row-major (N, K) weight does not get there on
+small row counts (its GEMM repacks the weight per call: measured 2-3x the one-row time for 4-8 rows), so `cpu_model`
+rebuilds the compact model with:
+
+- every decoder linear stored transposed, (K, N) contiguous, and applied as one `torch.mm` (MKL's small-M GEMM
+  streams it once); q/k/v fused into one (K, Nq + 2 Nkv) weight and gate/up into one (K, 2 I) weight per layer;
+- the output head pre-packed once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`, the layout Inductor's CPU
+  freezing uses) and applied with `_linear_pointwise`: no per-call packing of the largest matrix;
+- grouped-query attention over a (B, Hkv, G * T, D) view of the queries against the cache as it lies (no repeat of
+  the keys and values), over only the cache slots some row uses (`StaticState` passes a mask that narrow on CPU).
+
+The target's numerics stay fp32 (only the layouts change); `draft_dtype` may store a draft's decoder and head weights
+in bf16 (measured per machine: worth it only where the CPU has native bf16 GEMMs). The model stays a `Llama`, so the
+engine drives it through the same `StaticState` as on CUDA; `cpu_model(hf)` is what `bench.fast_model` returns on CPU.
+
+    from specdec_runtime.cpu import cpu_model
+    target = cpu_model(hf_target)                       # fp32, identical greedy output to HF
+    draft = cpu_model(hf_draft, dtype=torch.bfloat16)   # a draft may trade numerics for speed
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .llama import Llama, LlamaArgs
+
+__all__ = ["CpuAttention", "CpuMLP", "FusedLinear", "PackedHead", "cpu_model", "is_cpu_fast"]
+
+
+class FusedLinear(nn.Module):
+    """Several linears on one input as one GEMM: y = x @ w_t (+ b), w_t (K, N1 + N2 + ...) contiguous."""
+
+    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype):
+        super().__init__()
+        w_t = torch.cat([lin.weight.detach().t() for lin in linears], 1).to(dtype).contiguous()  # (K, N)
+        self.w_t = nn.Parameter(w_t, requires_grad=False)
+        biases = [lin.bias for lin in linears]
+        has_bias = any(b is not None for b in biases)
+        if has_bias:
+            parts = [b.detach() if b is not None else torch.zeros(lin.out_features) for b, lin in zip(biases, linears)]
+            self.bias = nn.Parameter(torch.cat(parts).to(dtype), requires_grad=False)
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(self.w_t.dtype)  # (M, K)
+        y = torch.addmm(self.bias, x2, self.w_t) if self.bias is not None else torch.mm(x2, self.w_t)
+        return y.view(*x.shape[:-1], -1)
+
+
+class PackedHead(nn.Module):
+    """The output head's weight (V, D) pre-packed once for oneDNN; applied without per-call packing -> (..., V)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, rows_hint: int = 32):
+        super().__init__()
+        self.out_features, self.dtype = weight.shape[0], dtype
+        # The batch-size hint only picks oneDNN's blocking; measured here one packing serves 1..32 rows alike.
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), rows_hint)
+        self.register_buffer("packed", packed, persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:  # setup_cache reads the compute dtype from lm_head.weight
+        return self.packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding, element for element: x * cos + rotate_half(x) * sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class CpuAttention(nn.Module):
+    """Attention with one fused qkv GEMM and grouped queries; the cache keeps `llama.Attention`'s layout and names."""
+
+    def __init__(self, attn: nn.Module, args: LlamaArgs, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
+        self.o_proj = FusedLinear([attn.o_proj], dtype)
+        self.k_cache: torch.Tensor | None = None  # (rows, S, Hkv, D), as in llama.Attention
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
+        """mask (B, 1, T, W): the first W cache slots (W <= S) are the ones any query of this forward may see."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        G, W = H // Hkv, mask.shape[-1]
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D)
+        qk = rope(qkv[:, :, : H + Hkv], cos, sin)  # q and k rotated in one go
+        q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :]
+        rows = torch.arange(B, device=x.device)[:, None]
+        self.k_cache[rows, slots] = k.to(self.k_cache.dtype)  # per-row slots (B, T)
+        self.v_cache[rows, slots] = v.to(self.v_cache.dtype)
+        keys = self.k_cache[:B, :W].transpose(1, 2)  # (B, Hkv, W, D): a view, no copy
+        values = self.v_cache[:B, :W].transpose(1, 2)
+        # query head h = kv head h // G (HF's repeat_kv order): (B, T, Hkv, G, D) -> (B, Hkv, G * T, D)
+        qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D).to(keys.dtype)
+        mg = mask[:, :, None].expand(B, 1, G, T, W).reshape(B, 1, G * T, W)
+        y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg)  # (B, Hkv, G * T, D)
+        y = y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        return self.o_proj(y)
+
+
+class CpuMLP(nn.Module):
+    """SwiGLU with one fused gate/up GEMM."""
+
+    def __init__(self, mlp: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], dtype)
+        self.down_proj = FusedLinear([mlp.down_proj], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def is_cpu_fast(model: nn.Module) -> bool:
+    """Whether a model is the compact Llama rebuilt by `cpu_model`."""
+    return isinstance(model, Llama) and getattr(model, "cpu_fast", False)
+
+
+def cpu_model(hf_model: nn.Module, dtype: torch.dtype = torch.float32) -> Llama:
+    """The compact Llama of an HF LlamaForCausalLM on the CPU, with the fast CPU layouts (module docstring).
+
+    dtype: the decoder and head weights' storage and compute dtype (float32 for a target; a draft may use bfloat16).
+    Embeddings, norms and rope stay in the HF model's dtype; activations enter each GEMM in `dtype`.
+    """
+    if hf_model.device.type != "cpu":
+        raise ValueError(f"cpu_model builds the CPU fast path; the model is on {hf_model.device}: move it to the CPU")
+    model = Llama.from_hf(hf_model, dtype=torch.float32)
+    for layer in model.layers:
+        layer.self_attn = CpuAttention(layer.self_attn, model.args, dtype)
+        layer.mlp = CpuMLP(layer.mlp, dtype)
+    model.lm_head = PackedHead(model.lm_head.weight, dtype)
+    model.cpu_fast = True
+    return model.eval()

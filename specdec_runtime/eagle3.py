@@ -1,0 +1,351 @@
+"""EAGLE-3 draft heads (Li et al. 2025): one decoder layer fed with the target's own hidden states, a reduced draft
+vocabulary, and the on-disk layout vLLM and SGLang load as it is (shared/EAGLE3.md).
+
+    draft = Eagle3Draft.from_pretrained("runs/x/candidates/eagle/best", device="cpu")
+    logits, aux = target_aux_forward(target, input_ids, draft.aux_layers(target.config.num_hidden_layers))
+    draft_logits, prenorm = draft(aux, embed(target, next_ids), position_ids, cache)   # (B, T, Vd), (B, T, H)
+    q = to_target_probs(draft_logits.softmax(-1), draft.d2t, draft.target_vocab)      # (B, T, V), 0 off-vocab
+
+How an engine drives it. Draft row t reads (the target's aux hidden states of token t, the embedding of token t+1)
+at position t and predicts token t+2, so it lags the target by one token:
+
+1. Prefill / after each verify: the target's forward returns its aux hidden states `aux` (B, T, 3H) for the tokens
+   it scored (`target_aux_forward`, one pass with the logits). Feed the *accepted* tokens' rows to the draft with
+   `hidden = aux` (3H wide: `fc` projects it) and `embeds` of the token after each (the accepted tokens shifted by
+   one, ending with the correction / bonus token), at their positions. The last row's logits propose draft token 1.
+2. Drafted tokens: each later step feeds one row per sequence with `hidden = prenorm` of the previous step (H
+   wide: `fc` is skipped), the embedding of the token just drafted, and position + 1.
+3. Roll back before step 1 of the next round: `cache.crop(n)` to the rows that were fed *target* features (every
+   accepted token's row). Rows written from the draft's own pre-norm outputs are never kept, even when their tokens
+   were accepted: step 1 recomputes them from the target's features.
+
+The cache (`Eagle3Cache`) is one layer's keys and values; the attention of a call sees the cached keys and its own
+rows under `attention_mask` (B, 1, T, S) bool, True = may attend; default causal over cache + rows. Training-time
+test (`ttt_mask`) reuses the same forward: step j's rows attend the step-0 keys causally and the keys of steps
+1..j at their own position only. Embeddings are never part of the draft: engines share the target's table, so the
+caller passes `embeds` (B, T, H) = target.get_input_embeddings()(ids).
+
+Files (one format for training checkpoints, best/ and exports): config.json (`draft_config`, a LlamaConfig with
+architectures LlamaForCausalLMEagle3) and model.safetensors with unprefixed names (`WEIGHT_SHAPES`) plus d2t (int64,
+offsets: target id = i + d2t[i]) and t2d (bool, the kept target ids).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+# Keys copied from the target's config into the draft's (besides the shapes set explicitly in `draft_config`).
+COPIED_KEYS = ("hidden_act", "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """[2, L // 2, L - 3]: vLLM's and SGLang's default, as HF `output_hidden_states` indices (layer inputs)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layers(layers: list[int], num_layers: int) -> None:
+    """Three layer-input indices in [1, L - 1]: index 0 (the embeddings) has no residual in vLLM / SGLang, and L
+    (the final, normed output) is not a layer input."""
+    if len(layers) != 3 or any(not 1 <= i <= num_layers - 1 for i in layers):
+        raise ValueError(
+            f"EAGLE-3 takes exactly 3 aux layers, HF output_hidden_states indices in [1, {num_layers - 1}] for a "
+            f"{num_layers}-layer target; got {layers}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config and vocabulary maps
+
+
+def draft_config(
+    target_config, *, draft_vocab_size: int, aux_layers: list[int] | None = None, dtype: str = "float32"
+) -> dict:
+    """The draft's config.json as a dict: exactly the keys of shared/EAGLE3.md, rope copied from the target (both
+    transformers 5's `rope_parameters` and the legacy `rope_theta` / `rope_scaling` keys older readers need)."""
+    t = target_config
+    L = t.num_hidden_layers
+    aux = list(aux_layers) if aux_layers is not None else default_aux_layers(L)
+    check_aux_layers(aux, L)
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    rope = dict(getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    legacy_scaling = None if rope.get("rope_type", "default") == "default" else {k: v for k, v in rope.items()}
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": head_dim,
+        "vocab_size": t.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        **{k: getattr(t, k) for k in COPIED_KEYS if getattr(t, k, None) is not None},
+        "rope_parameters": rope,
+        "rope_theta": rope.get("rope_theta", 10000.0),
+        "rope_scaling": legacy_scaling,
+        "torch_dtype": dtype,
+    }
+    if aux != default_aux_layers(L):
+        # vLLM reads layer-input indices; SGLang captures after layer i, so it takes the same ids minus 1.
+        config["eagle_aux_hidden_state_layer_ids"] = aux
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
+    return config
+
+
+def vocab_maps(draft_ids: Tensor, target_vocab: int) -> tuple[Tensor, Tensor]:
+    """(Vd,) strictly increasing target ids -> d2t (Vd,) int64 offsets (target id = i + d2t[i]) and t2d (V,) bool."""
+    ids = draft_ids.long().cpu()
+    if ids.dim() != 1 or not len(ids) or (ids[1:] <= ids[:-1]).any() or ids[0] < 0 or ids[-1] >= target_vocab:
+        raise ValueError(f"draft ids must be strictly increasing target ids in [0, {target_vocab})")
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(len(ids)), t2d
+
+
+def target_ids(d2t: Tensor) -> Tensor:
+    """(Vd,) the target id of each draft-vocabulary entry."""
+    return torch.arange(len(d2t), device=d2t.device) + d2t
+
+
+def to_target_probs(draft_probs: Tensor, d2t: Tensor, target_vocab: int) -> Tensor:
+    """(..., Vd) probabilities over the draft vocabulary -> (..., V) over target ids, exactly 0 elsewhere."""
+    out = draft_probs.new_zeros(*draft_probs.shape[:-1], target_vocab)
+    return out.index_copy_(-1, target_ids(d2t), draft_probs)
+
+
+def to_target_logits(draft_logits: Tensor, d2t: Tensor, target_vocab: int) -> Tensor:
+    """(..., Vd) draft logits -> (..., V) target-id logits, -inf off the draft vocabulary (what engines do)."""
+    out = draft_logits.new_full((*draft_logits.shape[:-1], target_vocab), float("-inf"))
+    return out.index_copy_(-1, target_ids(d2t), draft_logits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The target's side
+
+
+def target_aux_forward(
+    target, input_ids: Tensor, aux_layers: list[int], attention_mask: Tensor | None = None, **kwargs
+) -> tuple[Tensor, Tensor]:
+    """One target forward -> (logits (B, T, V), aux hidden states (B, T, 3H)): the inputs of the three aux layers
+    concatenated in `aux_layers` order (HF `output_hidden_states` indices)."""
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs)
+    return out.logits, torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1)
+
+
+def embed(target, ids: Tensor) -> Tensor:
+    """(B, T) token ids -> (B, T, H) embeddings from the target's own table (the draft has none)."""
+    return target.get_input_embeddings()(ids)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The draft
+
+
+@dataclass
+class Eagle3Cache:
+    """Keys and values of the draft's one layer: (B, KV, S, D) each, or None before the first call."""
+
+    k: Tensor | None = None
+    v: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add a call's (B, KV, T, D) keys and values; returns everything cached, (B, KV, S + T, D) each."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (roll back the drafted rows)."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+def causal_mask(T: int, S: int, device: torch.device) -> Tensor:
+    """(T, S) bool: the T new rows sit after S - T cached ones; row t sees keys 0 .. S - T + t."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
+
+
+def ttt_mask(T: int, step: int, device: torch.device) -> Tensor:
+    """(T, (step + 1) T) bool for training-time-test step `step` over keys [step 0 | step 1 | ... | step `step`]:
+    causal over the step-0 keys, and the same position only among the later steps' keys (EAGLE-3, SpecForge)."""
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([causal_mask(T, T, device), *([eye] * step)], dim=1)
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H-wide [embeds, hidden] input; o_proj writes H."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
+        self.q_proj = nn.Linear(2 * H, self.heads * D, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.heads * D, H, bias=False)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Eagle3Cache, mask: Tensor | None) -> Tensor:
+        B, T, _ = x.shape  # x: (B, T, 2H)
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+        k, v = cache.append(k, v)  # (B, KV, S, D)
+        if mask is None:
+            mask = causal_mask(T, k.shape[2], x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
+
+
+class Eagle3Layer(nn.Module):
+    """The midlayer: attention over cat([input_layernorm(embeds), hidden_norm(hidden)]), residual = the raw hidden
+    state (norm_before_residual = false), then the Llama MLP block."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm, self.hidden_norm = LlamaRMSNorm(H, eps), LlamaRMSNorm(H, eps)
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps)
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden: Tensor, embeds: Tensor, rope, cache: Eagle3Cache, mask: Tensor | None) -> Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        h = hidden + self.self_attn(x, rope, cache, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H), pre-norm
+
+
+class Eagle3Draft(nn.Module):
+    """fc (3H -> H), one `Eagle3Layer`, norm, lm_head (Vd, H), and the d2t / t2d vocabulary maps as buffers."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.export_config = dict(config)
+        legacy = ("rope_theta", "rope_scaling", "torch_dtype")  # rope_parameters says it all to transformers 5
+        self.config = llama = LlamaConfig(**{k: v for k, v in config.items() if k not in legacy})
+        H, Vd = llama.hidden_size, config["draft_vocab_size"]
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.midlayer = Eagle3Layer(llama)
+        self.norm = LlamaRMSNorm(H, llama.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(llama.vocab_size, dtype=torch.bool))
+        self.rotary = LlamaRotaryEmbedding(llama)  # inv_freq is a non-persistent buffer: not in the weights
+
+    @property
+    def target_vocab(self) -> int:
+        return self.config.vocab_size
+
+    def aux_layers(self, num_target_layers: int) -> list[int]:
+        """The target layers this draft reads: the config's ids, or the engines' default when it names none."""
+        return self.export_config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(num_target_layers)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        embeds: Tensor,
+        position_ids: Tensor,
+        cache: Eagle3Cache | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """hidden (B, T, 3H) target aux states or (B, T, H) own pre-norm outputs, embeds (B, T, H) of the next
+        tokens, position_ids (B, T), attention_mask (B, 1, T, S) bool over cache + rows (None = causal)
+        -> (draft logits (B, T, Vd), pre-norm outputs (B, T, H))."""
+        if hidden.shape[-1] != embeds.shape[-1]:
+            hidden = self.fc(hidden)  # the target's 3H features; later steps' pre-norm outputs are H wide already
+        rope = self.rotary(embeds, position_ids)  # cos, sin (B, T, D)
+        prenorm = self.midlayer(hidden, embeds, rope, cache if cache is not None else Eagle3Cache(), attention_mask)
+        return self.lm_head(self.norm(prenorm)), prenorm
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Files
+
+    def save_pretrained(self, folder: Path | str, state_dict: dict[str, Tensor] | None = None, **_) -> None:
+        """config.json and model.safetensors (unprefixed names, d2t, t2d) into `folder` (the loop's writer calls
+        this like an HF model's; a gathered FSDP `state_dict` replaces the module's own)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = state_dict if state_dict is not None else self.state_dict()
+        dtype = str(self.fc.weight.dtype).removeprefix("torch.")
+        (folder / CONFIG_FILE).write_text(json.dumps({**self.export_config, "torch_dtype": dtype}, indent=2) + "\n")
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, folder / WEIGHTS_FILE)
+
+    @classmethod
+    def from_pretrained(cls, folder: Path | str, *, device: str | torch.device = "cpu", dtype=None) -> Eagle3Draft:
+        folder = Path(folder)
+        model = cls(json.loads((folder / CONFIG_FILE).read_text()))
+        state = load_file(folder / WEIGHTS_FILE)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{folder} is not an EAGLE-3 draft of this layout: missing {missing}, extra {unexpected}")
+        model = model.to(device=device)
+        return (model.to(dtype) if dtype is not None else model.to(state["fc.weight"].dtype)).eval()
+
+    @classmethod
+    def from_target(
+        cls, target, draft_ids: Tensor, aux_layers: list[int] | None = None, *, seed: int | None = None
+    ) -> Eagle3Draft:
+        """A new head for `target`: random fc and midlayer, norm copied from the target's final norm, lm_head from
+        the target's head rows of `draft_ids` (strictly increasing target ids); fp32, on the target's device."""
+        config = draft_config(target.config, draft_vocab_size=len(draft_ids), aux_layers=aux_layers)
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = cls(config).to(next(target.parameters()).device)
+        d2t, t2d = vocab_maps(draft_ids, target.config.vocab_size)
+        with torch.no_grad():
+            model.d2t.copy_(d2t)
+            model.t2d.copy_(t2d)
+            model.lm_head.weight.copy_(target.get_output_embeddings().weight[target_ids(model.d2t)])
+            model.norm.weight.copy_(target.base_model.norm.weight)
+        return model
+
+
+def is_eagle3_folder(folder: Path | str) -> bool:
+    """True when `folder/config.json` names the EAGLE-3 architecture."""
+    path = Path(folder) / CONFIG_FILE
+    return path.is_file() and ARCHITECTURE in (json.loads(path.read_text()).get("architectures") or [])
+
+
+def weight_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Every tensor of the export, its shape and (for d2t / t2d) its dtype; float weights take the file's dtype."""
+    H, Vd, V = config["hidden_size"], config["draft_vocab_size"], config["vocab_size"]
+    I = config["intermediate_size"]  # noqa: E741
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    m = "midlayer."
+    return {
+        "fc.weight": ((H, 3 * H), None),
+        f"{m}input_layernorm.weight": ((H,), None),
+        f"{m}hidden_norm.weight": ((H,), None),
+        f"{m}post_attention_layernorm.weight": ((H,), None),
+        f"{m}self_attn.q_proj.weight": ((q, 2 * H), None),
+        f"{m}self_attn.k_proj.weight": ((kv, 2 * H), None),
+        f"{m}self_attn.v_proj.weight": ((kv, 2 * H), None),
+        f"{m}self_attn.o_proj.weight": ((H, q), None),
+        f"{m}mlp.gate_proj.weight": ((I, H), None),
+        f"{m}mlp.up_proj.weight": ((I, H), None),
+        f"{m}mlp.down_proj.weight": ((H, I), None),
+        "norm.weight": ((H,), None),
+        "lm_head.weight": ((Vd, H), None),
+        "d2t": ((Vd,), torch.int64),
+        "t2d": ((V,), torch.bool),
+    }
