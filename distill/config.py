@@ -58,8 +58,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.validation_prompts == "builtin:eval":  # the old default, since split into validation and test
-            deprecated("data.validation_prompts: builtin:eval is deprecated (split into builtin:validation and "
-                       "builtin:test); using builtin:validation")
+            deprecated(
+                "data.validation_prompts: builtin:eval is deprecated (split into builtin:validation and "
+                "builtin:test); using builtin:validation"
+            )
             self.validation_prompts = "builtin:validation"
         for name in ("max_prompts", "max_validation_prompts"):
             if getattr(self, name) < 0:

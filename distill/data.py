@@ -49,6 +49,7 @@ from distill.prompts import (
     without_prompts,
 )
 from specdec_runtime.atomic import staged_dir, write_text
+from specdec_runtime.bench import fast_model
 from specdec_runtime.engine import SamplingParams, generate
 
 FORMAT_VERSION = 2  # bump when the columns or the sampling scheme change, so old caches are not reused
@@ -104,8 +105,12 @@ def generate_teacher_data(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     aux_layers: list[int] | None = None,
+    cpu_fast_path: bool = True,
 ) -> TeacherData:
     """Generate (or find cached) teacher answers to the training and held-out prompts.
+
+    The answers are decoded by `specdec_runtime.bench.fast_model(teacher, cpu_fast_path)` (on the CPU the runtime's
+    fast CPU path, `target.cpu_fast_path`); the top-k cache and hidden states come from the HF teacher itself.
 
     `aux_layers` (HF output_hidden_states indices): with the offline cache on, also store the teacher's hidden
     states there, fp16, at every position (`AUX_HIDDEN`), for EAGLE-3 candidates that train from the cache.
@@ -127,8 +132,9 @@ def generate_teacher_data(
     out_dir = Path(out_dir)
     stop_ids = stop_token_ids(teacher, tokenizer)
     job = dict(cfg=cfg, out_dir=out_dir, teacher_id=teacher_id, seed=seed, stop_ids=stop_ids, rank=rank)
+    decoder = fast_model(teacher, cpu_fast_path)  # the model the engine decodes with
     if cfg.prompts == SELF_INSTRUCT:
-        train_records = _self_instruct_records(teacher, tokenizer, barrier=barrier, **job)
+        train_records = _self_instruct_records(decoder, tokenizer, barrier=barrier, **job)
     else:
         train_records = load_prompts(cfg.prompts)
     eval_records = load_prompts(cfg.validation_prompts)
@@ -150,6 +156,7 @@ def generate_teacher_data(
                 records,
                 prompt_ids[split],
                 teacher,
+                decoder,
                 world_size=world_size,
                 barrier=barrier,
                 aux_layers=aux_layers if cfg.teacher_cache else None,
@@ -383,6 +390,7 @@ def _generate_split(
     records: list[PromptRecord],
     prompt_ids: list[list[int]],
     teacher,
+    decoder,
     *,
     cfg: DataConfig,
     out_dir: Path,
@@ -411,6 +419,7 @@ def _generate_split(
         for b, span in todo:
             columns = _generate_shard(
                 teacher,
+                decoder,
                 rows[span],
                 cfg,
                 stop_ids,
@@ -441,6 +450,7 @@ def _shard_done(path: Path, span: slice) -> bool:
 
 def _generate_shard(
     teacher,
+    decoder,
     rows: list[tuple[PromptRecord, list[int], int]],
     cfg: DataConfig,
     stop_ids: list[int],
@@ -448,14 +458,15 @@ def _generate_shard(
     progress: Callable[[int], object],
     aux_layers: list[int] | None = None,
 ) -> dict:
-    """Columns of one shard: its (prompt, prompt ids, sample) rows, generated batch_size sequences at a time."""
+    """Columns of one shard: its (prompt, prompt ids, sample) rows, generated batch_size sequences at a time by
+    `decoder` (the teacher, or its fast runtime model); the top-k cache comes from the HF teacher."""
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     columns: dict[str, list] = {name: [] for name in features(_cache_k(cfg), 1 if aux_layers else None)}
     for b, start in enumerate(range(0, len(rows), cfg.batch_size)):
         batch = rows[start : start + cfg.batch_size]
         generator = torch.Generator(device=teacher.device).manual_seed(seed_of(b))
         result = generate(
-            teacher,
+            decoder,
             None,
             [ids for _, ids, _ in batch],
             sampling=sampling,

@@ -210,6 +210,19 @@ def draft_labels(student: Eagle3Draft, labels: Tensor) -> tuple[Tensor, Tensor]:
 # The training-time-test loss
 
 
+def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int):
+    """Yield (step j, draft logits (B, T, Vd)) of the training-time-test unroll: aux (B, T, 3H) are the teacher's
+    states of the batch's tokens, embeds (B, T, H) their embeddings. Row t of step j sits at position t + j, reads
+    token t + 1 + j and step j - 1's pre-norm output of row t, and sees the step-0 keys of rows <= t and the keys
+    of steps 1..j of row t: what a chain draft computes at inference for its (j + 1)-th token after token t + 1."""
+    B, T, _ = embeds.shape
+    position = torch.arange(T, device=embeds.device).expand(B, T)
+    hidden, cache = aux, Eagle3Cache()
+    for j in range(depth):
+        logits, hidden = student(hidden, shift(embeds, 1 + j, 0.0), position + j, cache, ttt_mask(T, j, embeds.device))
+        yield j, logits
+
+
 def unrolled_steps(student, embed_weight: Tensor, batch: dict[str, Tensor], view, draft_cfg, dc, num_items):
     """Yield (step j, draft logits (B, T, Vd), step j's objective summed over its valid rows / num_items, its
     terms) for j < draft.ttt_depth, from `teacher_view`'s output `view`. Step j's rows sit at positions t + j, read
@@ -222,14 +235,8 @@ def unrolled_steps(student, embed_weight: Tensor, batch: dict[str, Tensor], view
     labels_d, label_in = draft_labels(plain, labels) if "ce" in dc.objective else (labels.clamp(min=0), valid)
     dtype = plain.fc.weight.dtype  # fp32 masters (autocast runs the matmuls in bf16), or DeepSpeed's bf16 copy
     embeds = nn.functional.embedding(batch["input_ids"], embed_weight).to(dtype)  # (B, T, H), frozen
-    B, T, _ = embeds.shape
-    position = torch.arange(T, device=embeds.device).expand(B, T)
-    hidden, cache = aux.to(dtype), Eagle3Cache()
-    for j in range(draft_cfg.ttt_depth):
+    for j, draft_logits in ttt_logits(student, aux.to(dtype), embeds, draft_cfg.ttt_depth):
         n = 1 + j
-        draft_logits, hidden = student(
-            hidden, shift(embeds, n, 0.0), position + j, cache, ttt_mask(T, j, embeds.device)
-        )
         loss, terms = distill_loss(
             draft_logits,
             TeacherTargets(logits=shift(teacher_d, n, LOG_ZERO)),

@@ -149,8 +149,8 @@ def _read_builtin_file(name: str) -> list[PromptRecord]:
 
 def interleave_categories(records: Sequence[PromptRecord], run: int = 1) -> list[PromptRecord]:
     """Records ordered round-robin over categories (first-seen order), `run` at a time from each, so the first N
-    span the categories; with run=2 the even and odd positions (the eval sweep's selection and confirmation halves)
-    hold the same categories. Order inside a category is kept."""
+    span the categories; with run=2 and even category sizes (builtin:test) the even and odd positions (the eval
+    sweep's selection and confirmation halves) hold the same categories. Order inside a category is kept."""
     by_category: dict[str, list[PromptRecord]] = {}
     for r in records:
         by_category.setdefault(r.category, []).append(r)

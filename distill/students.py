@@ -6,7 +6,8 @@
     print(describe_student(student, teacher))
     export_me = merge_student(student)  # LoRA merged into plain weights; other students come back as they are
 
-Every student is a new model that shares no tensor with the teacher, on the teacher's device and in its dtype.
+Every student is a new model that shares no tensor with the teacher, on the teacher's device and in its dtype (a
+pretrained one in the dtype its `load_model` gives it).
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def pretrained_student(
                 f"cover the {len(tokenizer)} tokens of the tokenizer"
             )
         student.resize_token_embeddings(teacher_rows, mean_resizing=False)
-    return student.to(device=teacher.device, dtype=teacher.dtype)
+    return student.to(teacher.device)  # in the dtype load_model gave it: a bf16 cast would round fp32 weights
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,11 +8,17 @@ Input: an HF folder (`best/`, `checkpoints/step-N/`, any `save_pretrained` outpu
 the base weights). Output: safetensors weights, config.json, generation_config.json, tokenizer files and README.md
 (eval numbers, training config, serving snippets), and nothing else: no optimizer, RNG or trainer state. The folder
 is written under a temporary name and renamed (`atomic.staged_dir`), so an interrupted export never looks finished.
+
+An EAGLE-3 head (`draft.init: eagle3`) is already in the layout vLLM and SGLang load (shared/EAGLE3.md): its export is
+a copy of its config.json, model.safetensors and tokenizer files, plus the card, which states the kind, the aux
+layers and the draft vocabulary's coverage.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -20,8 +26,11 @@ import yaml
 
 from eval.engines import engine_snippets
 from specdec_runtime import atomic
+from specdec_runtime.eagle3 import CONFIG_FILE, WEIGHTS_FILE, is_eagle3_folder
 from specdec_runtime.loading import load_checkpoint
 
+# Files of an EAGLE-3 checkpoint copied into its export besides config.json and model.safetensors: the tokenizer's.
+TOKENIZER_PREFIXES = ("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges", "added_tokens")
 CARD_COLUMNS = [
     "num_draft_tokens",
     "temperature",
@@ -138,6 +147,7 @@ def model_card(
     report: dict | None,
     training_config: str | None,
     serving_snippets: dict,
+    kind_section: str | None = None,
 ) -> str:
     target = (report or {}).get("target", "TARGET")
     return "\n".join(
@@ -157,6 +167,7 @@ def model_card(
             "It shares the target's tokenizer: draft token ids mean the same text to the target, which speculative "
             "decoding requires.",
             "",
+            *([kind_section, ""] if kind_section else []),
             "## Eval",
             "",
             eval_section(report, checkpoint),
@@ -216,6 +227,8 @@ def export_draft(
     checkpoint, out_dir = Path(checkpoint), Path(out_dir).expanduser().resolve()
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
         raise ValueError(f"{out_dir} exists and is not a previous export (no config.json); pick an empty or new folder")
+    if is_eagle3_folder(checkpoint):
+        return export_eagle3(checkpoint, out_dir, report, training_config, serving_snippets)
     model, tokenizer, merged = load_checkpoint(checkpoint)
     if training_config is None:
         training_config = find_training_config(checkpoint)
@@ -233,6 +246,65 @@ def export_draft(
                 report=report,
                 training_config=training_config,
                 serving_snippets=serving_snippets,
+            )
+        )
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EAGLE-3 heads: their files are the export
+
+
+def eagle3_section(checkpoint: Path) -> str:
+    """The card's paragraph on an EAGLE-3 head: kind, aux layers, draft vocabulary and its coverage."""
+    config = json.loads((checkpoint / CONFIG_FILE).read_text())
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    metrics = checkpoint / "metrics.json"
+    coverage = json.loads(metrics.read_text()).get("eval/draft_vocab_coverage") if metrics.is_file() else None
+    vocab = checkpoint.parent.parent / "draft_vocab.json"  # a step checkpoint's candidate folder
+    if coverage is None and vocab.is_file():
+        coverage = json.loads(vocab.read_text()).get("coverage")
+    return (
+        "Kind: **eagle3**, an EAGLE-3 head (one decoder layer fed with the target's hidden states; "
+        "architecture LlamaForCausalLMEagle3). It reads the inputs of target layers "
+        + (f"{aux} (HF output_hidden_states indices)" if aux else "[2, L // 2, L - 3] (the engines' default)")
+        + f" and drafts from a {config['draft_vocab_size']}-token vocabulary of the target's {config['vocab_size']} "
+        + (
+            f"covering {coverage:.2%} of the teacher's training response tokens"
+            if coverage is not None
+            else "(coverage not recorded)"
+        )
+        + ". Serve it with the target: it has no embeddings of its own, and only vLLM (`method: eagle3`), SGLang "
+        "(`EAGLE3`), TensorRT-LLM (`Eagle3`) and specdistill's runtime run it; HF assisted generation cannot."
+    )
+
+
+def export_eagle3(
+    checkpoint: Path, out_dir: Path, report: dict | None, training_config: str | None, serving_snippets: dict | None
+) -> Path:
+    """Copy the head's files (they are the export) and write its card; see `export_draft`."""
+    from safetensors import safe_open
+
+    if training_config is None:
+        training_config = find_training_config(checkpoint)
+    if serving_snippets is None:
+        serving_snippets = engine_snippets(str(out_dir), _best_gamma(report, checkpoint), kind="eagle3")
+    with safe_open(checkpoint / WEIGHTS_FILE, "pt") as f:  # parameters: every tensor but the vocabulary maps
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
+    with atomic.staged_dir(out_dir) as tmp:
+        for path in checkpoint.iterdir():
+            if path.name in (CONFIG_FILE, WEIGHTS_FILE) or path.name.startswith(TOKENIZER_PREFIXES):
+                shutil.copy2(path, tmp / path.name)
+        (tmp / "README.md").write_text(
+            model_card(
+                name=_draft_name(checkpoint),
+                checkpoint=checkpoint,
+                num_parameters=params,
+                merged_lora=False,
+                report=report,
+                training_config=training_config,
+                serving_snippets=serving_snippets,
+                kind_section=eagle3_section(checkpoint),
             )
         )
     return out_dir

@@ -160,7 +160,7 @@ def concurrency_cap(rec: dict) -> int | None:
 
 def serving_snippets(rec: dict, draft: str) -> dict:
     """The engines' settings for an enabled recommendation."""
-    return engine_snippets(draft, rec["num_draft_tokens"], concurrency_cap(rec))
+    return engine_snippets(draft, rec["num_draft_tokens"], concurrency_cap(rec), kind=rec.get("kind", "standalone"))
 
 
 def build_serving(old: dict, report: dict, report_path: Path, draft: str | None, now: str) -> dict:

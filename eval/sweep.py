@@ -15,8 +15,8 @@ confirmation half (the choice never saw it) at every concurrency of `eval.batch_
 from the confirmation numbers. Every measurement is a paired, repeated A/B (`specdec_runtime.ab`): target-only and
 speculative decoding alternate per unit (one batch of prompts) in ABBA order, `eval.repeats` times, after untimed
 warm-up calls on the unit holding the longest prompt. Decoding runs through `specdec_runtime.bench.fast_model`, the
-backend `bench` times (compact model + static cache + CUDA graphs on CUDA, the HF model on CPU); the report names
-it (`settings.backend`).
+backend `bench` times (compact model + static cache + CUDA graphs on CUDA, its fast CPU path on the CPU unless
+`target.cpu_fast_path: false`); the report names it (`settings.backend`).
 
 Prompts are split over processes (rank r takes every world-th prompt of each half); per-unit runs are gathered on
 every rank (the confirmation needs the choice), and rank 0 writes the report.
@@ -267,6 +267,7 @@ def evaluate(
     world_size: int = 1,
     gather=None,
     progress: bool = True,
+    cpu_fast_path: bool = True,
 ) -> dict:
     """Run the sweep on the selection half and, with `serving`, measure the setting `eval.recommend.choose` picks for
     it on the confirmation half at every batch size (`report["confirmation"]`); returns the report dict (keys of
@@ -298,7 +299,7 @@ def evaluate(
         + [Setting(t, r, depth, spec, batch) for spec, depth in trees.items()]
     ]
     bar = tqdm(total=len(candidates) * len(points), desc="eval", disable=not progress or rank != 0)
-    fast_target = fast_model(target)
+    fast_target = fast_model(target, cpu_fast_path)
     bench = Bench(fast_target, cfg.max_new_tokens, stop_token_ids(target, tokenizer), seed, cfg.repeats, cfg.warmup)
     mine = selection[rank::world_size]
 
@@ -307,7 +308,7 @@ def evaluate(
     for cand in candidates:
         draft, draft_tokenizer = load_draft(cand, device, dtype)
         check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
-        fast_draft = fast_model(draft)
+        fast_draft = fast_model(draft, cpu_fast_path, draft=True)
         rows = []
         for point in points:
             rows.append(measure(bench, fast_draft, mine, point, outputs.setdefault(point.temperature, {})))
@@ -342,6 +343,7 @@ def evaluate(
             device=device,
             dtype=dtype,
             gather=gather if world_size > 1 else None,
+            cpu_fast_path=cpu_fast_path,
         )
     return report
 
@@ -365,13 +367,14 @@ def confirm(
     device: str,
     dtype: str,
     gather=None,
+    cpu_fast_path: bool = True,
 ) -> dict:
     """Measure the setting `choose` picks from the selection numbers on this rank's confirmation prompts, once per
     batch size -> the report's `confirmation` block (merged over ranks)."""
     cand_report, best = choose(report, serving.temperature, _serving_rule(serving))
     cand = next(c for c in candidates if c.name == cand_report["name"])
     draft, _ = load_draft(cand, device, dtype)
-    fast_draft = fast_model(draft)
+    fast_draft = fast_model(draft, cpu_fast_path, draft=True)
     local = [
         measure(
             bench,

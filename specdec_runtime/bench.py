@@ -4,8 +4,9 @@ All arms run in this process on the same prompts with the same stop tokens, pair
 ABBA order per unit, `repeats` times); warm-up runs on the longest unit are excluded from timings. A unit is one
 batch of `batch_size` prompts (prompts past the last full batch are left out, so every timed call has one shape and
 the static cache and CUDA graphs are never rebuilt inside a timed run). On CUDA, Llama-family models run through the
-compact model (bf16 static cache + CUDA graphs) for both of our modes, while HF assisted generation uses the HF models
-as given; HF assisted generation only supports batch size 1, so it runs prompt by prompt whatever `batch_size` is.
+compact model (bf16 static cache + CUDA graphs) for both of our modes (on the CPU its fast CPU path, `cpu.py`), while
+HF assisted generation uses the HF models as given; HF assisted generation only supports batch size 1, so it runs
+prompt by prompt whatever `batch_size` is.
 
 HF assisted generation reads its drafting knobs from the *draft's* generation config, not from the arguments of
 `generate` (transformers 5, generation/candidate_generator.py: `num_assistant_tokens`,
@@ -25,9 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LlamaForCausalLM
 
 from .ab import decode_s_per_token, paired_metrics, paired_runs, paired_speedup, pooled
+from .cpu import CPU_BACKEND, cpu_model, draft_dtype
 from .engine import generate
 from .llama import Llama
 from .loading import stop_token_ids
@@ -35,16 +37,23 @@ from .metrics import GenerationStats
 from .sampling import DraftRule, SamplingParams
 
 
-def fast_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The compact bf16 model for a Llama checkpoint on CUDA; any other model is returned as is."""
+def fast_model(model: torch.nn.Module, cpu_fast_path: bool = True, draft: bool = False) -> torch.nn.Module:
+    """The compact bf16 model for a Llama checkpoint on CUDA; on the CPU the compact model's fast CPU path
+    (`cpu.cpu_model`: fp32 for a target, `cpu.draft_dtype()` for a draft) unless cpu_fast_path is False; any other
+    model is returned as is."""
     if model.device.type == "cuda" and model.config.model_type == "llama":
         return Llama.from_hf(model, dtype=torch.bfloat16)
+    if model.device.type == "cpu" and cpu_fast_path and isinstance(model, LlamaForCausalLM):
+        return cpu_model(model, dtype=draft_dtype() if draft else torch.float32)
     return model
 
 
 def backend_name(model: torch.nn.Module) -> str:
-    """Which decoding backend a model runs: the compact static-cache model (CUDA graphs on CUDA) or HF eager."""
+    """Which decoding backend a model runs: the compact static-cache model (CUDA graphs on CUDA, fused CPU layouts
+    on the CPU fast path) or HF eager."""
     if isinstance(model, Llama):
+        if model.cpu_fast:
+            return CPU_BACKEND
         return "compact-static-cache+cuda-graphs" if model.device.type == "cuda" and model.use_graphs else "compact"
     return "hf-eager"
 
@@ -163,6 +172,7 @@ def run_bench(
     repeats: int = 3,
     draft_rule: DraftRule = "greedy",
     tree: str | None = None,
+    cpu_fast_path: bool = True,
 ) -> dict:
     """Bench JSON of DESIGN.md (`bench --json`); the tokenizer is read for its eos/pad token ids only.
 
@@ -170,9 +180,10 @@ def run_bench(
     the units' paired decode-seconds-per-token ratios with its 95 % bootstrap interval `speedup_ci`.
     tree: a token-tree spec ('4,2,2,1', 'dynamic:NODES'); adds a `tree` block (the same metrics for the tree, plus
     speedup_vs_chain over the chain of num_draft_tokens, paired on the same units).
+    cpu_fast_path: on the CPU, decode through `cpu.cpu_model` (False: the HF models, eager).
     """
     stop = stop_token_ids(target, tokenizer)
-    fast_target, fast_draft = fast_model(target), fast_model(draft)
+    fast_target, fast_draft = fast_model(target, cpu_fast_path), fast_model(draft, cpu_fast_path, draft=True)
     hf_draft = copy.deepcopy(draft) if draft is target else draft  # the width hook must see target forwards only
     units = full_units(prompts, batch_size)
     ours = dict(

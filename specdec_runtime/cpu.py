@@ -27,7 +27,10 @@ from torch import nn
 
 from .llama import Llama, LlamaArgs
 
-__all__ = ["CpuAttention", "CpuMLP", "FusedLinear", "PackedHead", "cpu_model", "is_cpu_fast"]
+__all__ = ["CPU_BACKEND", "CpuAttention", "CpuMLP", "FusedLinear", "PackedHead", "cpu_model", "draft_dtype"]
+
+CPU_BACKEND = "compact-static-cache+cpu-fused"
+"""`settings.backend` of a run on the CPU fast path."""
 
 
 class FusedLinear(nn.Module):
@@ -122,9 +125,10 @@ class CpuMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def is_cpu_fast(model: nn.Module) -> bool:
-    """Whether a model is the compact Llama rebuilt by `cpu_model`."""
-    return isinstance(model, Llama) and getattr(model, "cpu_fast", False)
+def draft_dtype() -> torch.dtype:
+    """A draft's weight dtype on this CPU: bfloat16 where oneDNN runs bf16 GEMMs natively (AVX-512 and up), else
+    float32 (on AVX2 alone bf16 would be converted per call)."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
 def cpu_model(hf_model: nn.Module, dtype: torch.dtype = torch.float32) -> Llama:

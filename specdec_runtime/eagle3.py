@@ -6,18 +6,20 @@ vocabulary, and the on-disk layout vLLM and SGLang load as it is (shared/EAGLE3.
     draft_logits, prenorm = draft(aux, embed(target, next_ids), position_ids, cache)   # (B, T, Vd), (B, T, H)
     q = to_target_probs(draft_logits.softmax(-1), draft.d2t, draft.target_vocab)      # (B, T, V), 0 off-vocab
 
-How an engine drives it. Draft row t reads (the target's aux hidden states of token t, the embedding of token t+1)
-at position t and predicts token t+2, so it lags the target by one token:
+How an engine drives it. Draft row t reads (the target's aux hidden states h_t of token x_t, the embedding of
+x_{t+1}) at position t and predicts x_{t+2}: it lags the target by one token. Say a row holds x_0..x_n, x_n the newest
+token (the prefill's first sample, or the last verify's correction / bonus), the target has scored x_0..x_{n-1}, and
+the draft cache holds rows 0..m-1, all fed target states.
 
-1. Prefill / after each verify: the target's forward returns its aux hidden states `aux` (B, T, 3H) for the tokens
-   it scored (`target_aux_forward`, one pass with the logits). Feed the *accepted* tokens' rows to the draft with
-   `hidden = aux` (3H wide: `fc` projects it) and `embeds` of the token after each (the accepted tokens shifted by
-   one, ending with the correction / bonus token), at their positions. The last row's logits propose draft token 1.
-2. Drafted tokens: each later step feeds one row per sequence with `hidden = prenorm` of the previous step (H
-   wide: `fc` is skipped), the embedding of the token just drafted, and position + 1.
-3. Roll back before step 1 of the next round: `cache.crop(n)` to the rows that were fed *target* features (every
-   accepted token's row). Rows written from the draft's own pre-norm outputs are never kept, even when their tokens
-   were accepted: step 1 recomputes them from the target's features.
+1. Catch up (after the prefill: m = 0; after a verify: m = the previous n): feed rows m..n-1 with
+   `hidden` = h_m..h_{n-1} (B, T, 3H; `fc` projects it), `embeds` of x_{m+1}..x_n and positions m..n-1. The last
+   row's logits propose draft token d_1. The target forward that produced h returns it next to its logits in one
+   pass (`target_aux_forward`).
+2. Draft: step k = 2..gamma feeds one row with `hidden` = the previous call's last `prenorm` (H wide: `fc` is
+   skipped), the embedding of d_{k-1} and position n + k - 2.
+3. Verify [x_n, d_1..d_gamma]: the target returns h_n..h_{n+gamma}. With a tokens accepted and the correction /
+   bonus appended, `cache.crop(n)` drops every row fed the draft's own pre-norm states (even for accepted tokens),
+   and step 1 of the next round feeds rows n..n+a from h_n..h_{n+a}.
 
 The cache (`Eagle3Cache`) is one layer's keys and values; the attention of a call sees the cached keys and its own
 rows under `attention_mask` (B, 1, T, S) bool, True = may attend; default causal over cache + rows. Training-time
@@ -26,7 +28,7 @@ test (`ttt_mask`) reuses the same forward: step j's rows attend the step-0 keys 
 caller passes `embeds` (B, T, H) = target.get_input_embeddings()(ids).
 
 Files (one format for training checkpoints, best/ and exports): config.json (`draft_config`, a LlamaConfig with
-architectures LlamaForCausalLMEagle3) and model.safetensors with unprefixed names (`WEIGHT_SHAPES`) plus d2t (int64,
+architectures LlamaForCausalLMEagle3) and model.safetensors with unprefixed names (`weight_shapes`) plus d2t (int64,
 offsets: target id = i + d2t[i]) and t2d (bool, the kept target ids).
 """
 
@@ -267,15 +269,18 @@ class Eagle3Draft(nn.Module):
         position_ids: Tensor,
         cache: Eagle3Cache | None = None,
         attention_mask: Tensor | None = None,
+        last_only: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """hidden (B, T, 3H) target aux states or (B, T, H) own pre-norm outputs, embeds (B, T, H) of the next
         tokens, position_ids (B, T), attention_mask (B, 1, T, S) bool over cache + rows (None = causal)
-        -> (draft logits (B, T, Vd), pre-norm outputs (B, T, H))."""
+        -> (draft logits (B, T, Vd), or (B, 1, Vd) of the last row with last_only; pre-norm outputs (B, T, H)).
+
+        `cache` is anything with `append(k, v) -> all keys, values` (`Eagle3Cache`, or the engine's slot cache)."""
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)  # the target's 3H features; later steps' pre-norm outputs are H wide already
         rope = self.rotary(embeds, position_ids)  # cos, sin (B, T, D)
         prenorm = self.midlayer(hidden, embeds, rope, cache if cache is not None else Eagle3Cache(), attention_mask)
-        return self.lm_head(self.norm(prenorm)), prenorm
+        return self.lm_head(self.norm(prenorm[:, -1:] if last_only else prenorm)), prenorm
 
     # ------------------------------------------------------------------------------------------------------------
     # Files

@@ -30,6 +30,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from .eagle3 import Eagle3Draft
+from .eagle3_state import eagle3_states
 from .kv import make_state
 from .llama import Llama
 from .metrics import GenerationStats, Phases, PhaseTimer, RequestStats
@@ -227,6 +229,15 @@ def _choose_step(plan: TreePlan | None, G: int) -> tuple[Step, int, int]:
     return partial(chain_step, gamma=G), G, G
 
 
+def _states(target: torch.nn.Module, draft: torch.nn.Module | None, batch_size: int, max_len: int):
+    """The target's and the draft's cache states; an EAGLE-3 head reads the target's aux hidden states, so that pair
+    is built together (eagle3_state.py)."""
+    if isinstance(draft, Eagle3Draft):
+        return eagle3_states(target, draft, batch_size, max_len)
+    draft_state = make_state(draft, batch_size, max_len) if draft is not None else None
+    return make_state(target, batch_size, max_len), draft_state
+
+
 def _timed(dec: Decoding, timer: PhaseTimer) -> Decoding:
     """The decode loop's view of the caches: target forwards count as verify time, draft forwards as draft time."""
     draft = TimedState(dec.draft, timer, "draft") if dec.draft is not None else None
@@ -267,8 +278,7 @@ def generate(
     with torch.no_grad():
         start = wall()
         max_len = max(len(p) for p in prompts) + max_new_tokens + slack
-        draft_state = make_state(draft, num_prompts, max_len) if draft is not None else None
-        dec = Decoding(make_state(target, num_prompts, max_len), draft_state, sampling, draft_rule, generator)
+        dec = Decoding(*_states(target, draft, num_prompts, max_len), sampling, draft_rule, generator)
         stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
         out = _Output.empty(num_prompts, G, max_new_tokens, dev)
         with timer.span("prefill"):

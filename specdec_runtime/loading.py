@@ -308,6 +308,13 @@ def load_checkpoint(checkpoint: Path):
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise ModelLoadError(f"checkpoint folder {checkpoint} does not exist")
+    from specdec_runtime.eagle3 import is_eagle3_folder
+
+    if is_eagle3_folder(checkpoint):  # transformers would load it as a LlamaForCausalLM of random weights
+        raise ModelLoadError(
+            f"{checkpoint} is an EAGLE-3 head (LlamaForCausalLMEagle3), not a standalone model: load it with "
+            "specdec_runtime.eagle3.Eagle3Draft.from_pretrained and run it with its target"
+        )
     is_lora = (checkpoint / "adapter_config.json").is_file()
     if is_lora and not (checkpoint / "adapter_model.safetensors").is_file():
         raise ModelLoadError(

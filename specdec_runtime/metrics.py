@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from .kv import make_state
 from .sampling import DraftRule, SamplingParams, warp_logits
 
 
@@ -265,50 +264,3 @@ def cost_ratios(spec: Phases, target_only: Phases, gamma: int, tokens_per_step: 
         "predicted_speedup": _ratio(tokens_per_step, gamma * c + v),
         "overhead_fraction": _ratio(spec.other_s, spec.decode_s),
     }
-
-
-def _median_step_s(step, warmup: int, iters: int, cuda: bool) -> float:
-    times = []
-    for i in range(warmup + iters):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_cost_ratios(
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    *,
-    num_draft_tokens: int = 4,
-    batch_size: int = 1,
-    context_len: int = 64,
-    warmup: int = 3,
-    iters: int = 10,
-    seed: int = 0,
-) -> tuple[float, float]:
-    """Time the runtime's own steps on random tokens -> (cost_ratio c, verify_cost_ratio v).
-
-    c = one draft decode step / one target decode step (1 token each); v = one target verify step over gamma + 1
-    tokens / one target decode step. Each step is a forward plus its cache rollback, exactly as the engine runs it.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(target.config.vocab_size, (batch_size, context_len + num_draft_tokens + 1), generator=gen)
-    prompt = prompt.to(target.device)
-    cuda = target.device.type == "cuda"
-    full = torch.full((batch_size,), context_len, device=target.device)
-
-    def timed(model, width: int) -> float:
-        state = make_state(model, batch_size, context_len + num_draft_tokens + 1)
-        with torch.no_grad():
-            state.extend(prompt[:, :context_len], full, last_only=True)
-            tokens, counts = prompt[:, context_len : context_len + width], torch.full_like(full, width)
-            return _median_step_s(lambda: (state.extend(tokens, counts), state.rollback(counts)), warmup, iters, cuda)
-
-    target_step = timed(target, 1)
-    return timed(draft, 1) / target_step, timed(target, num_draft_tokens + 1) / target_step

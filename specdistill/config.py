@@ -48,6 +48,9 @@ class TargetConfig:
     """Run modelling code shipped with the checkpoint. Off by default: it executes arbitrary Python."""
     allow_pickle: bool = False
     """Allow pickle `.bin` weights (arbitrary code on load); safetensors only by default."""
+    cpu_fast_path: bool = True
+    """On the CPU, decode Llama-family models through the runtime's fast CPU path (compact model, static cache, fused
+    pre-packed weights: specdec_runtime/cpu.py) in the data stage and eval; false decodes with the HF models."""
 
 
 @dataclass

@@ -128,6 +128,7 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
         world_size=dist.world_size,
         barrier=dist.barrier,
         aux_layers=aux_layers,
+        cpu_fast_path=cfg.target.cpu_fast_path,
     )
 
 
@@ -269,6 +270,7 @@ def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target
         rank=dist.rank,
         world_size=dist.world_size,
         gather=dist.gather,
+        cpu_fast_path=cfg.target.cpu_fast_path,
     )
     path = out_dir / "report.json"
     if dist.is_main:

@@ -415,7 +415,7 @@ def make_report(tmp_path, *, enabled: bool = True, trees: tuple[str, ...] = ()) 
         "target": "random:tiny-llama",
         "target_fingerprint": "0123456789abcdef",
         "device": "cpu",
-        "prompts": {"source": "builtin:eval", "count": 6, "categories": CATEGORIES},
+        "prompts": {"source": "builtin:test", "count": 6, "categories": CATEGORIES},
         "sweep": {
             "num_draft_tokens": [1, 2, 4],
             "temperatures": [0.0, 1.0],

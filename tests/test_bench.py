@@ -12,6 +12,7 @@ from helpers import perturbed, tiny_llama
 from transformers import GenerationConfig
 
 from specdec_runtime.bench import VerifyWidths, fair_assistant, format_bench_table, hf_assisted, run_bench
+from specdec_runtime.cpu import CPU_BACKEND
 
 PROMPTS = [[5, 17, 3, 40, 22, 9], [11, 4], [60, 2, 33]]
 
@@ -78,7 +79,7 @@ def test_bench_json_pairs_every_arm():
             tree="2,1",
         )
     settings = result["settings"]
-    assert settings["units"] == 3 and settings["repeats"] == 2 and settings["backend"] == "hf-eager"
+    assert settings["units"] == 3 and settings["repeats"] == 2 and settings["backend"] == CPU_BACKEND
     assert settings["stop_token_ids"] == [2]  # the generation config's eos (the tokenizer has none)
     for arm in ("target_only", "speculative"):
         assert set(result[arm]["phases"]) >= {"prefill_s", "draft_s", "verify_s", "other_s", "decode_s"}

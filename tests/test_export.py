@@ -67,7 +67,7 @@ def report_for(draft_folder, out_dir=None) -> dict:
         "created_at": "2026-11-29T12:00:00Z",
         "target": "random:tiny-llama",
         "device": "cpu",
-        "prompts": {"source": "builtin:eval", "count": 12},
+        "prompts": {"source": "builtin:test", "count": 12},
         "candidates": [
             {"name": "other", "draft": "/nonexistent/best", "settings": []},
             {"name": "trunc2", "draft": str(draft_folder), "settings": settings},

@@ -210,7 +210,7 @@ def test_eval_bad_inputs(env, tmp_path, smoke_run):
 def test_eval_spec_bench_file_by_category(env, tmp_path, smoke_run):
     spec_bench = tmp_path / "question.jsonl"
     rows = [{"question_id": i, "category": cat, "turns": [f"Tell me about {cat} number {i}.", "And more?"]}
-            for i, cat in enumerate(["writing", "math", "writing", "coding"])]
+            for i, cat in enumerate(["writing", "writing", "math", "math", "writing", "writing", "coding", "coding"])]
     spec_bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = smoke_run[0] / "candidates" / "fkl"
     cli_here("eval", "--target", "random:tiny-llama", "--drafts", run_dir, "--prompts", spec_bench, "--out",
@@ -219,6 +219,7 @@ def test_eval_spec_bench_file_by_category(env, tmp_path, smoke_run):
     report = json.loads((tmp_path / "e" / "report.json").read_text())
     names = [c["name"] for c in report["candidates"]]
     assert names[0] == "fkl" and any("@step-" in n for n in names), "a run dir gives best/ and its kept checkpoints"
+    # The sweep measures the selection half (alternate prompts): writing, math, writing, coding.
     by_cat = report["candidates"][0]["settings"][0]["by_category"]
     assert by_cat["writing"]["count"] == 2 and set(by_cat) == {"writing", "math", "coding"}
 

@@ -228,8 +228,10 @@ def test_builtin_eval_names_the_splits_that_replaced_it():
 
 
 def test_interleave_categories_round_robin_in_runs():
-    records = [PromptRecord(id=f"{c}{i}", messages=user(f"{c} {i}"), category=c) for c, i in
-               [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("c", 0), ("c", 1), ("c", 2), ("c", 3)]]
+    records = [
+        PromptRecord(id=f"{c}{i}", messages=user(f"{c} {i}"), category=c)
+        for c, i in [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("c", 0), ("c", 1), ("c", 2), ("c", 3)]
+    ]
     assert [r.id for r in interleave_categories(records)] == ["a0", "b0", "c0", "a1", "c1", "a2", "c2", "c3"]
     assert [r.id for r in interleave_categories(records, 2)] == ["a0", "a1", "b0", "c0", "c1", "a2", "c2", "c3"]
     assert sorted(interleave_categories(records, 2), key=lambda r: r.id) == sorted(records, key=lambda r: r.id)

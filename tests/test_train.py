@@ -372,13 +372,14 @@ def test_run_distill_trains_each_candidate_once(tmp_path, tiny, monkeypatch):
     monkeypatch.setattr(
         pipeline,
         "distill_candidate",
-        lambda c, name, d: trained.append(c) or original(c, name, d, teacher=teacher, tokenizer=tokenizer),
+        lambda c, name, d, **given: trained.append((c, given["teacher"])) or original(c, name, d, **given),
     )
-    best = pipeline.run_distill(cfg, data)
+    best = pipeline.run_distill(cfg, data, target=(teacher, tokenizer, "random:tiny-llama"))
     assert best == {n: tmp_path / "run" / "candidates" / n / "best" for n in ("a", "b")}
-    assert [c.distill.objective for c in trained] == [{"forward_kl": 1.0}, {"tv": 1.0}]
+    assert [c.distill.objective for c, _ in trained] == [{"forward_kl": 1.0}, {"tv": 1.0}]
+    assert all(given is teacher for _, given in trained)  # the loaded target, not a second load
     assert all((p / "config.json").is_file() for p in best.values())
-    pipeline.run_distill(cfg, data)  # finished with the same settings: skipped
+    pipeline.run_distill(cfg, data, target=(teacher, tokenizer, "random:tiny-llama"))  # finished: skipped
     assert len(trained) == 2
     cfg.train.max_steps = 2  # other settings: trained again (resuming from its checkpoint)
     pipeline.run_distill(cfg, data)

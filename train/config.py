@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:  # annotations only: the CLI imports this module for its schema and stays fast
+    from distill.config import DataConfig, DistillConfig
+    from distill.students import DraftConfig
 
 
 @dataclass
@@ -79,3 +85,32 @@ class TrackingConfig:
     """auto = online when an API key is configured, offline otherwise (runs sync later with `wandb sync`)."""
     run_name: str | None = None
     """W&B run name; None = <output_dir name>-<candidate>."""
+
+
+@dataclass
+class CandidateRun:
+    """One candidate as the pipeline resolved it (its overrides applied): what the recipe trains and where."""
+
+    name: str
+    """Candidate name: its folder and its label in the log."""
+    out_dir: Path
+    """<output_dir>/candidates/<name>/: checkpoints/, best/, metrics.jsonl, config.yaml, DONE."""
+    run_name: str
+    """The W&B run name."""
+    seed: int
+    """Global seed; each process adds its rank."""
+    target: Any
+    """The target section (model, dtype, device, trust_remote_code, allow_pickle)."""
+    draft: DraftConfig
+    data: DataConfig
+    distill: DistillConfig
+    train: TrainConfig
+    tracking: TrackingConfig
+    resolved: dict[str, Any]
+    """The whole resolved config as a dict, logged to W&B."""
+    resolved_yaml: str
+    """The same as YAML: config.yaml of the run and of every checkpoint."""
+    fingerprint: str
+    """Hash of the settings that decide what is trained: the DONE marker's content."""
+    config_drift: Callable[[dict], list[str]]
+    """The dotted keys where a checkpoint's saved config (a dict) differs from this run's and forbids a resume."""

@@ -32,10 +32,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +45,6 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
-from distill.config import DataConfig, DistillConfig
 from distill.data import (
     IGNORE,
     TeacherData,
@@ -62,7 +58,6 @@ from distill.data import (
 from distill.eagle3 import VOCAB_FILE, Eagle3Training, collate_eagle3
 from distill.objectives import batch_inputs, distill_loss, teacher_targets
 from distill.students import (
-    DraftConfig,
     build_student,
     chunked_head,
     describe_student,
@@ -72,42 +67,13 @@ from distill.students import (
 from specdec_runtime.atomic import write_text
 from specdec_runtime.loading import LORA_BASE, check_vocab_compatible, load_model
 from train import checkpoint, distributed
-from train.config import TrackingConfig, TrainConfig
+from train.config import CandidateRun as CandidateRun  # the recipe's input, named where it is used
 from train.tracking import make_tracker
 from train.validation import evaluate
 
 
 class NonFiniteLossError(ValueError):
     """The loss or gradient norm became NaN/inf; the run stopped before saving anything from that step."""
-
-
-@dataclass
-class CandidateRun:
-    """One candidate as the pipeline resolved it (its overrides applied): what the recipe trains and where."""
-
-    name: str
-    """Candidate name: its folder and its label in the log."""
-    out_dir: Path
-    """<output_dir>/candidates/<name>/: checkpoints/, best/, metrics.jsonl, config.yaml, DONE."""
-    run_name: str
-    """The W&B run name."""
-    seed: int
-    """Global seed; each process adds its rank."""
-    target: Any
-    """The target section (model, dtype, device, trust_remote_code, allow_pickle)."""
-    draft: DraftConfig
-    data: DataConfig
-    distill: DistillConfig
-    train: TrainConfig
-    tracking: TrackingConfig
-    resolved: dict[str, Any]
-    """The whole resolved config as a dict, logged to W&B."""
-    resolved_yaml: str
-    """The same as YAML: config.yaml of the run and of every checkpoint."""
-    fingerprint: str
-    """Hash of the settings that decide what is trained: the DONE marker's content."""
-    config_drift: Callable[[dict], list[str]]
-    """The dotted keys where a checkpoint's saved config (a dict) differs from this run's and forbids a resume."""
 
 
 def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -120,7 +86,8 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
 
 def distill(run: CandidateRun, teacher_data: TeacherData, *, teacher=None, tokenizer=None) -> Path:
     """Distill one candidate and return its folder (`run.out_dir`). `teacher`, `tokenizer`: an already loaded
-    target to reuse; loaded from `run.target` when None."""
+    target to reuse; loaded from `run.target` when None, or when it is to be sharded (the given one then waits on
+    the CPU and is back on its device when this returns)."""
     recipe = DistillRecipe(run)
     recipe.setup(teacher_data, teacher=teacher, tokenizer=tokenizer)
     try:
@@ -210,10 +177,10 @@ class DistillRecipe:
         self.accelerator.wait_for_everyone()
 
     def _setup_teacher(self, teacher, tokenizer):
-        """The given target, else loaded: on the CPU with the offline cache (it only builds the student, in fp32,
-        never runs a forward) or when it is to be sharded (it reaches the device one shard per process). A given
-        target not used as it is waits on the CPU until `cleanup` puts it back, so the device never holds two."""
-        if teacher is not None and not (self.cache or self.shard):
+        """The given target, else loaded: on the CPU with the offline cache (it only builds the student, never runs a
+        forward) or when it is to be sharded (it reaches the device one shard per process). A given target that is
+        to be sharded waits on the CPU until `cleanup` puts it back, so the device never holds two."""
+        if teacher is not None and not self.shard:
             return teacher, tokenizer
         if teacher is not None:
             self.parked = (teacher, teacher.device)

@@ -1,0 +1,223 @@
+"""CPU runtime bench (issue 14): what a verify, a draft step and a decode step cost on the CPU fast path
+(`specdec_runtime.cpu`) against the HF path, and tokens/s against HF `generate`, all measured in one process.
+
+1. In-loop forward costs, batch 1, greedy, one prompt per unit: for each backend (`hf`: the HF model with a
+   DynamicCache; `fast`: `cpu.cpu_model`, fp32 target, `cpu.draft_dtype()` draft), target-only decoding and
+   speculative decoding with the 4-layer truncated draft at each gamma, every arm once per unit and repeat in ABBA
+   order (`ab.paired_runs`). From the runs' own phases (`stats.phases`): the decode step (target-only decode
+   seconds / steps), one verify forward over gamma + 1 tokens (`verify_cost_ratio`, in decode steps of the same
+   backend), one draft forward (`cost_ratio`), tokens/s, and the fast path's step against the HF path's.
+2. HF `generate` target-only (greedy) and HF assisted generation (`bench.fair_assistant`: exactly gamma drafts per
+   step) on the same prompts: tokens/s against ours.
+3. The data stage's teacher generation: `--data-batch` training prompts in one batch, T=0.7, top-p 0.95,
+   `--data-new-tokens` tokens, through our engine on both backends and through HF `generate` (left-padded batch).
+
+    python benchmarks/cpu_runtime_bench.py                     # the embedded SmolLM2 target, ~4 minutes idle
+    python benchmarks/cpu_runtime_bench.py --json runs/cpu_runtime_bench.json --threads 2
+    python benchmarks/cpu_runtime_bench.py --target random:tiny-llama --draft-layers 2 --num-prompts 2 \
+        --max-new-tokens 8 --gammas 3 --data-batch 4 --data-new-tokens 8     # smoke, seconds
+
+Only on a CPU (the CUDA path is measured by benchmarks/gpu_bench.py). Other processes on the machine distort every
+number here: run it on an idle machine; the timings are medians over pooled calls, the ratios come from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from distill.prompts import load_prompts, render_chat
+from distill.students import evenly_spaced_layers, truncate_student
+from specdec_runtime.ab import cost_model, paired_runs, paired_speedup, pooled
+from specdec_runtime.bench import (
+    backend_name,
+    fair_assistant,
+    fast_model,
+    hf_assisted,
+    hf_generation_config,
+    VerifyWidths,
+)
+from specdec_runtime.engine import SamplingParams, generate
+from specdec_runtime.loading import load_model, stop_token_ids
+from specdec_runtime.metrics import GenerationStats
+
+BACKENDS = ("hf", "fast")
+GOALS = {"verify_cost_ratio@4": 1.3, "verify_cost_ratio@8": 1.6, "cost_ratio": 0.2}
+
+
+def forward_costs(models: dict, prompts: list[list[int]], gammas: list[int], *, max_new_tokens, stop, repeats) -> dict:
+    """Section 1: per backend, target-only and each gamma on every prompt (ABBA) -> {backend: metrics}."""
+    arms = [f"{b}:{mode}" for b in models for mode in ["target", *[f"g{g}" for g in gammas]]]
+
+    def run(unit: int, arm: str, repeat: int) -> GenerationStats:
+        backend, mode = arm.split(":")
+        target, draft = models[backend]
+        kwargs = {} if mode == "target" else {"num_draft_tokens": int(mode[1:])}
+        return generate(target, None if mode == "target" else draft, [prompts[unit]], max_new_tokens=max_new_tokens,
+                        stop_token_ids=stop, **kwargs).stats  # fmt: skip
+
+    for arm in arms:  # warm-up: allocator caches, oneDNN primitives
+        run(0, arm, 0)
+    runs = paired_runs(run, units=len(prompts), arms=arms, repeats=repeats)
+    out = {}
+    for backend in models:
+        base = pooled(runs[f"{backend}:target"])
+        row = {"step_ms": 1e3 * base.phases.decode_s / base.phases.verify_forwards,
+               "target_tokens_per_s": base.aggregate()["tokens_per_s"], "gammas": {}}  # fmt: skip
+        for g in gammas:
+            spec = pooled(runs[f"{backend}:g{g}"])
+            agg, costs = spec.aggregate(), cost_model(base, spec)
+            row["gammas"][g] = {
+                "verify_ms": 1e3 * spec.phases.verify_s / spec.phases.verify_forwards,
+                "draft_ms": 1e3 * spec.phases.draft_s / spec.phases.draft_forwards,
+                "verify_cost_ratio": costs["verify_cost_ratio"],
+                "cost_ratio": costs["cost_ratio"],
+                "acceptance_rate": agg["acceptance_rate"],
+                "tokens_per_s": agg["tokens_per_s"],
+                "speedup": paired_speedup(runs[f"{backend}:target"], runs[f"{backend}:g{g}"])["speedup"],
+            }
+        out[backend] = row
+    return out
+
+
+def hf_baselines(target, draft, tokenizer, prompts, gamma: int, *, max_new_tokens, stop) -> dict:
+    """Section 2: HF generate target-only and HF assisted generation at gamma, prompt by prompt -> tokens/s."""
+    config = hf_generation_config(tokenizer, stop, max_new_tokens, 0.0)
+    hook = VerifyWidths(target)
+    try:
+        hf_assisted(target, None, prompts[:1], config, hook)  # warm-up
+        plain = hf_assisted(target, None, prompts, config, hook)  # assistant None: plain greedy generate
+        with fair_assistant(draft, gamma):
+            assisted = hf_assisted(target, draft, prompts, config, hook)
+    finally:
+        hook.handle.remove()
+    return {"generate_tokens_per_s": plain.new_tokens / plain.wall_s,
+            "assisted_tokens_per_s": assisted.new_tokens / assisted.wall_s, "assisted_gamma": gamma}  # fmt: skip
+
+
+def hf_generate_batch(model, prompts, sampling: SamplingParams, max_new_tokens: int, stop, seed: int) -> float:
+    """HF generate on one left-padded batch -> tokens/s (tokens up to and including each row's first stop)."""
+    width, pad = max(len(p) for p in prompts), stop[0]
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=sampling.temperature, top_k=0,
+                         top_p=sampling.top_p, max_new_tokens=max_new_tokens, eos_token_id=list(stop),
+                         pad_token_id=pad)  # fmt: skip
+    wall = time.perf_counter() - start
+    new = out[:, width:]
+    is_stop = torch.isin(new, torch.tensor(stop))
+    before_stop = (is_stop.long().cumsum(1) - is_stop.long()) == 0  # up to and including the first stop
+    return int(before_stop.sum()) / wall
+
+
+def data_stage(models: dict, hf_target, prompts, *, max_new_tokens, stop, seed: int = 0) -> dict:
+    """Section 3: teacher generation of one batch (T=0.7, top-p 0.95) -> tokens/s per backend and for HF generate."""
+    sampling = SamplingParams(temperature=0.7, top_p=0.95)
+    out = {}
+    for backend, (target, _) in models.items():
+        generate(target, None, prompts, sampling=sampling, max_new_tokens=2, stop_token_ids=stop)  # warm-up
+        result = generate(target, None, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
+                          stop_token_ids=stop, generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        out[f"{backend}_tokens_per_s"] = result.stats.aggregate()["tokens_per_s"]
+        out[f"{backend}_phases"] = result.stats.phases.to_dict()
+    out["hf_generate_tokens_per_s"] = hf_generate_batch(hf_target, prompts, sampling, max_new_tokens, stop, seed)
+    return out
+
+
+def _f(value, fmt: str = ".3f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def report(costs: dict, hf: dict, data: dict, gammas: list[int]) -> str:
+    lines = [f"{'backend':<8}{'step ms':>9}{'tok/s':>8}  " + "".join(
+        f"{f'g={g}: verify ms  v    c     alpha  speedup':>44}" for g in gammas)]  # fmt: skip
+    for backend, row in costs.items():
+        cells = "".join(
+            f"{_f(r['verify_ms'], '.1f'):>22}{_f(r['verify_cost_ratio'], '.2f'):>5}{_f(r['cost_ratio'], '.2f'):>6}"
+            f"{_f(r['acceptance_rate'], '.2f'):>7}{_f(r['speedup'], '.2f'):>9}"
+            for r in row["gammas"].values()
+        )
+        lines.append(f"{backend:<8}{row['step_ms']:>9.1f}{row['target_tokens_per_s']:>8.1f}  {cells}")
+    fast, ratios = costs.get("fast"), []
+    if fast:
+        g4, g8 = fast["gammas"].get(3), fast["gammas"].get(7)
+        ratios += [("verify_cost_ratio, 4 tokens (fast)", g4 and g4["verify_cost_ratio"], "<= 1.3"),
+                   ("verify_cost_ratio, 8 tokens (fast)", g8 and g8["verify_cost_ratio"], "<= 1.6"),
+                   ("cost_ratio, draft (fast)", g4 and g4["cost_ratio"], "<= 0.2")]  # fmt: skip
+        if "hf" in costs:
+            ratios.append(("decode step, hf / fast", costs["hf"]["step_ms"] / fast["step_ms"], "> 1"))
+        ratios.append(("target-only tok/s, fast / HF generate", fast["target_tokens_per_s"] /
+                       hf["generate_tokens_per_s"], ">= 1"))  # fmt: skip
+        ga = fast["gammas"].get(hf["assisted_gamma"])
+        if ga:
+            ratios.append((f"speculative tok/s g={hf['assisted_gamma']}, fast / HF assisted",
+                           ga["tokens_per_s"] / hf["assisted_tokens_per_s"], ">= 1.3"))  # fmt: skip
+    ratios.append(("data stage tok/s, fast / HF generate", data.get("fast_tokens_per_s", 0) /
+                   data["hf_generate_tokens_per_s"], "> 1"))  # fmt: skip
+    ratios.append(("data stage tok/s, fast / hf engine", data.get("fast_tokens_per_s", 0) /
+                   data.get("hf_tokens_per_s", float("nan")), ">= 3"))  # fmt: skip
+    lines.append("")
+    lines.append(f"HF generate {hf['generate_tokens_per_s']:.1f} tok/s, HF assisted (g={hf['assisted_gamma']}) "
+                 f"{hf['assisted_tokens_per_s']:.1f} tok/s; data stage tok/s: "
+                 + ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:.1f}" for k, v in data.items()
+                             if k.endswith("tokens_per_s")))  # fmt: skip
+    lines.append("")
+    width = max(len(name) for name, _, _ in ratios)
+    lines += [f"{name:<{width}}  {_f(value, '.3f'):>7}  (goal {goal})" for name, value, goal in ratios]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="embedded:smollm2-135m-instruct")
+    parser.add_argument("--draft-layers", type=int, default=4)
+    parser.add_argument("--prompts", default="builtin:test")
+    parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--gammas", nargs="+", type=int, default=[3, 7], help="verify widths gamma + 1 = 4 and 8")
+    parser.add_argument("--repeats", type=int, default=1, help="timed ABBA repeats of section 1")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--data-prompts", default="builtin:train")
+    parser.add_argument("--data-batch", type=int, default=32)
+    parser.add_argument("--data-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target, tokenizer = load_model(args.target, device="cpu")
+    draft = truncate_student(target, evenly_spaced_layers(target.config.num_hidden_layers, args.draft_layers))
+    stop = stop_token_ids(target, tokenizer)
+    models = {"hf": (target, draft), "fast": (fast_model(target), fast_model(draft, draft=True))}
+    models = {b: models[b] for b in args.backends}
+    records = load_prompts(args.prompts)
+    by_category = {}
+    for r in records:  # one prompt per category first (short answers and long passages alike), then the rest
+        by_category.setdefault(r.category, []).append(r)
+    order = [r for rank in range(len(records)) for rs in by_category.values() for r in rs[rank : rank + 1]]
+    prompts = [render_chat(tokenizer, r.messages) for r in order[: args.num_prompts]]
+    data_prompts = [render_chat(tokenizer, r.messages) for r in load_prompts(args.data_prompts, limit=args.data_batch)]
+    print(f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, backends "
+          + ", ".join(f"{b}={backend_name(t)}" for b, (t, _) in models.items())
+          + f"; {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
+
+    with torch.no_grad():
+        costs = forward_costs(models, prompts, args.gammas, max_new_tokens=args.max_new_tokens, stop=stop,
+                              repeats=args.repeats)  # fmt: skip
+        hf = hf_baselines(target, draft, tokenizer, prompts, args.gammas[0], max_new_tokens=args.max_new_tokens,
+                          stop=stop)  # fmt: skip
+        data = data_stage(models, target, data_prompts, max_new_tokens=args.data_new_tokens, stop=stop)
+    print(report(costs, hf, data, args.gammas))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "forward_costs": costs, "hf": hf, "data_stage": data}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""EAGLE-3 heads: the export layout the engines load (exact keys, dtypes, shapes, config keys, read by speculators),
+the vocabulary maps, the cache, and that training-time test computes what inference drafts."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from helpers import tiny_llama
+from safetensors.torch import load_file
+
+from distill.eagle3 import choose_draft_vocab, draft_targets, shift, ttt_logits
+from distill.students import DraftConfig
+from eval.engines import engine_snippets
+from specdec_runtime.eagle3 import (
+    Eagle3Cache,
+    Eagle3Draft,
+    check_aux_layers,
+    embed,
+    target_aux_forward,
+    target_ids,
+    to_target_logits,
+    to_target_probs,
+    ttt_mask,
+    vocab_maps,
+    weight_shapes,
+)
+
+DRAFT_IDS = torch.tensor([0, 2, 3, 7, 11, 20, 31, 40, 52, 63])
+CONFIG_KEYS = {
+    "architectures", "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "tie_word_embeddings", "attention_bias",
+    "mlp_bias", "hidden_act", "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id",
+    "rope_parameters", "rope_theta", "rope_scaling", "torch_dtype",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=1, layers=6)  # 6 layers: default aux layers [2, 3, 3]
+
+
+def head(target, aux=None, seed=0) -> Eagle3Draft:
+    draft = Eagle3Draft.from_target(target, DRAFT_IDS, aux, seed=seed)
+    with torch.no_grad():  # random norms and head too, so every weight matters to the outputs below
+        for p in draft.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return draft.eval()
+
+
+# ------------------------------------------------------------------------------------------------ the export layout
+
+
+def test_export_has_exactly_the_engines_keys_dtypes_and_shapes(target, tmp_path):
+    head(target).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert set(config) == CONFIG_KEYS  # default aux layers: no eagle_aux keys at all
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert (config["num_hidden_layers"], config["tie_word_embeddings"]) == (1, False)
+    assert (config["hidden_size"], config["vocab_size"], config["draft_vocab_size"]) == (32, 64, len(DRAFT_IDS))
+    assert (config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]) == (8, 4, 2)
+    assert config["rope_theta"] == target.config.rope_parameters["rope_theta"] and config["rope_scaling"] is None
+
+    weights = load_file(tmp_path / "model.safetensors")
+    expected = weight_shapes(config)
+    assert set(weights) == set(expected)  # unprefixed, no embed_tokens, no layers.0.* (SGLang would drop those)
+    H, Vd = 32, len(DRAFT_IDS)
+    assert weights["fc.weight"].shape == (H, 3 * H) and weights["lm_head.weight"].shape == (Vd, H)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape == (32, 2 * H)  # q/k/v read [embeds, hidden]
+    assert weights["midlayer.self_attn.k_proj.weight"].shape == (16, 2 * H)
+    for name, tensor in weights.items():
+        shape, dtype = expected[name]
+        assert tuple(tensor.shape) == shape, name
+        assert tensor.dtype == (dtype or torch.float32), name
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+
+
+def test_non_default_aux_layers_are_written_for_vllm_and_sglang(target, tmp_path):
+    head(target, aux=[1, 3, 5]).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # vLLM: layer inputs (HF indices)
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}  # SGLang: the same minus 1
+    assert Eagle3Draft.from_pretrained(tmp_path).aux_layers(6) == [1, 3, 5]
+    assert head(target).aux_layers(6) == [2, 3, 3]
+
+
+def test_a_saved_head_loads_back_exactly_and_a_foreign_layout_is_refused(target, tmp_path):
+    draft = head(target)
+    draft.save_pretrained(tmp_path)
+    loaded = Eagle3Draft.from_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    _, aux = target_aux_forward(target, ids, draft.aux_layers(6))
+    pos = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        assert torch.equal(loaded(aux, embed(target, ids), pos)[0], draft(aux, embed(target, ids), pos)[0])
+    state = load_file(tmp_path / "model.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in state.items()}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="not an EAGLE-3 draft of this layout"):
+        Eagle3Draft.from_pretrained(tmp_path)
+
+
+def test_speculators_reads_the_export(target, tmp_path):
+    """vLLM's speculators package (not written here) builds its Eagle3SpeculatorConfig from our config.json and
+    loads every one of our tensors into its EAGLE-3 model, with nothing missing or left over."""
+    try:
+        with warnings.catch_warnings():  # its import torch.compiles a module, which wakes torch's own deprecations
+            warnings.filterwarnings("ignore", message=".*torch.jit.script_method", category=DeprecationWarning)
+            from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+            from speculators.convert.eagle.eagle3_legacy_model import Eagle3Speculator
+            from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    except ImportError as e:
+        if os.environ.get("SPECDISTILL_REQUIRE_SPECULATORS") == "1":
+            pytest.fail(f"speculators not importable ({e}): make install puts it in with --no-deps", pytrace=False)
+        pytest.skip(f"speculators not installed ({e}); `make install` adds it")
+    target.save_pretrained(tmp_path / "target")
+    head(target, aux=[1, 3, 5]).save_pretrained(tmp_path / "draft")
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    weights = load_file(tmp_path / "draft" / "model.safetensors")
+    config["target_vocab_size"] = weights["t2d"].shape[0]  # what the converter reads from t2d
+    spec = Eagle3Converter()._build_eagle3_speculator_config(
+        config, str(tmp_path / "target"), eagle_aux_hidden_state_layer_ids=config["eagle_aux_hidden_state_layer_ids"]
+    )
+    assert isinstance(spec, Eagle3SpeculatorConfig)
+    assert (spec.draft_vocab_size, spec.target_vocab_size, spec.norm_before_residual) == (len(DRAFT_IDS), 64, False)
+    layer = spec.transformer_layer_config
+    assert (layer.hidden_size, layer.head_dim, layer.num_key_value_heads, layer.num_hidden_layers) == (32, 8, 2, 1)
+    model = Eagle3Speculator(
+        config=spec, verifier=None, verifier_attachment_mode="detached", reduce_vocab_size=True,
+        has_drafter_embedding=False,
+    )  # fmt: skip
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in weights.items()}  # the converter's remapping
+    model.load_state_dict(renamed, strict=True)  # raises on any missing, unexpected or mis-shaped tensor
+    assert torch.equal(model.d2t, weights["d2t"]) and torch.equal(model.lm_head.weight, weights["lm_head.weight"])
+
+
+# ------------------------------------------------------------------------------------------------ vocabulary maps
+
+
+def test_d2t_and_t2d_describe_the_same_sorted_vocabulary():
+    d2t, t2d = vocab_maps(DRAFT_IDS, 64)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and t2d.sum() == len(DRAFT_IDS)
+    assert torch.equal(target_ids(d2t), DRAFT_IDS)  # target id = i + d2t[i]
+    assert torch.equal(torch.nonzero(t2d)[:, 0], DRAFT_IDS)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        vocab_maps(torch.tensor([3, 2, 7]), 64)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        vocab_maps(torch.tensor([3, 64]), 64)
+
+
+def test_draft_probabilities_scatter_to_target_ids_with_zero_elsewhere():
+    d2t, t2d = vocab_maps(DRAFT_IDS, 64)
+    logits = torch.randn(3, len(DRAFT_IDS))
+    q = to_target_probs(logits.softmax(-1), d2t, 64)  # (3, 64)
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
+    assert (q[:, ~t2d] == 0).all() and torch.equal(q[:, DRAFT_IDS], logits.softmax(-1))
+    torch.testing.assert_close(to_target_logits(logits, d2t, 64).softmax(-1), q)  # -inf off-vocabulary, same q
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_tokens_and_its_coverage():
+    counts = torch.tensor([5, 0, 9, 1, 0, 3]).numpy()
+    ids, coverage = choose_draft_vocab(counts, 3)
+    assert ids == [0, 2, 5] and coverage == pytest.approx(17 / 18)
+    assert choose_draft_vocab(counts, 5)[0] == [0, 1, 2, 3, 5]  # never-seen fillers by ascending id
+
+
+def test_cached_top_k_covering_everything_gives_the_online_targets(target):
+    """The offline cache's dense draft-vocabulary targets equal the online ones when its top-k holds every token:
+    the teacher renormalised over the draft vocabulary, and the same positions masked."""
+    draft = head(target)
+    logits = torch.randn(2, 5, 64)
+    online, in_online = draft_targets(draft, logits, None)
+    lp = logits.log_softmax(-1)
+    values, ids = lp.topk(64, dim=-1)
+    cached, in_cached = draft_targets(draft, None, (ids, values))
+    torch.testing.assert_close(cached.log_softmax(-1), online.log_softmax(-1))
+    assert torch.equal(in_cached, in_online) and torch.equal(in_online, draft.t2d[logits.argmax(-1)])
+    partial, _ = draft_targets(draft, None, (ids[..., :8], values[..., :8]))  # only the top 8: the rest vanishes
+    kept = draft.t2d[ids[..., :8]].sum(-1)
+    seen = kept > 0  # a position with no top-k token in the vocabulary has its argmax outside too: masked anyway
+    assert seen.any() and torch.equal((partial.softmax(-1) > 0).sum(-1)[seen], kept[seen])
+
+
+# ------------------------------------------------------------------------------------------------ cache and TTT
+
+
+def test_an_incremental_forward_with_a_cropped_cache_matches_the_full_forward(target):
+    draft = head(target)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    _, aux = target_aux_forward(target, ids, draft.aux_layers(6))
+    emb, pos = embed(target, ids), torch.arange(10).expand(2, 10)
+    with torch.no_grad():
+        full, _ = draft(aux, emb, pos)
+        cache = Eagle3Cache()
+        draft(aux[:, :6], emb[:, :6], pos[:, :6], cache)
+        draft(torch.randn(2, 2, 32), emb[:, 6:8], pos[:, 6:8], cache)  # drafted rows from own states...
+        cache.crop(6)  # ...rolled back
+        tail, _ = draft(aux[:, 6:], emb[:, 6:], pos[:, 6:], cache)
+    torch.testing.assert_close(tail, full[:, 6:])
+    assert cache.length == 10
+
+
+def chain_draft(draft, aux, emb, t: int, depth: int, mask_fn=None) -> list[torch.Tensor]:
+    """What an engine computes: rows 0..t from the target's states, then depth-1 drafted steps each feeding the
+    previous pre-norm output, the next ground-truth token's embedding and position + 1 -> logits per step."""
+    cache, out = Eagle3Cache(), []
+    pos = torch.arange(t + 1)[None]
+    logits, pre = draft(aux[:, : t + 1], shift(emb, 1, 0.0)[:, : t + 1], pos, cache)
+    out.append(logits[:, -1])
+    hidden = pre[:, -1:]
+    for j in range(1, depth):
+        logits, hidden = draft(hidden, emb[:, t + 1 + j : t + 2 + j], torch.tensor([[t + j]]), cache)
+        out.append(logits[:, -1])
+    return out
+
+
+def test_training_time_test_computes_what_a_chain_draft_computes_at_inference(target, monkeypatch):
+    """Step j of the unroll at row t equals the (j + 1)-th drafted token's logits after token t + 1 at inference:
+    positions, the attention pattern and the fed-back pre-norm states all agree. A plain causal mask over the
+    stacked keys (the obvious wrong pattern) must not."""
+    import distill.eagle3
+
+    draft, depth, T = head(target), 3, 12
+    ids = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(2))
+    _, aux = target_aux_forward(target, ids, draft.aux_layers(6))
+    emb = embed(target, ids)
+    with torch.no_grad():
+        steps = [logits for _, logits in ttt_logits(draft, aux, emb, depth)]
+        for t in (0, 4, T - depth - 1):
+            for j, logits in enumerate(chain_draft(draft, aux, emb, t, depth)):
+                torch.testing.assert_close(steps[j][:, t], logits, msg=f"row {t}, step {j}")
+        wrong = lambda T, step, device: torch.ones(T, (step + 1) * T, dtype=torch.bool).tril()  # noqa: E731
+        monkeypatch.setattr(distill.eagle3, "ttt_mask", wrong)
+        broken = [logits for _, logits in ttt_logits(draft, aux, emb, depth)]
+    assert torch.equal(broken[0], steps[0])  # step 0 has no later keys: the same
+    assert not torch.allclose(broken[2][:, 4], steps[2][:, 4], atol=1e-4)
+
+
+def test_ttt_mask_is_causal_on_step_zero_and_diagonal_after():
+    mask = ttt_mask(3, 2, torch.device("cpu"))
+    assert mask.shape == (3, 9)
+    assert torch.equal(mask[:, :3], torch.ones(3, 3, dtype=torch.bool).tril())
+    assert torch.equal(mask[:, 3:6], torch.eye(3, dtype=torch.bool)) and torch.equal(mask[:, 6:], mask[:, 3:6])
+
+
+# ------------------------------------------------------------------------------------------------ config and engines
+
+
+def test_draft_config_validates_the_eagle3_keys():
+    DraftConfig(init="eagle3", aux_layers=[1, 2, 3], ttt_depth=7, ttt_decay=1.0, freeze_lm_head=True)
+    for bad, match in [
+        (dict(init="truncate", aux_layers=[1, 2, 3]), "only used by init=eagle3"),
+        (dict(init="eagle3", aux_layers=[1, 2]), "3 layer indices"),
+        (dict(init="eagle3", aux_layers=[0, 2, 3]), "3 layer indices"),
+        (dict(init="eagle3", lora=True), "lora does not apply"),
+        (dict(init="eagle3", ttt_decay=0.0), "ttt_decay"),
+        (dict(init="eagle3", ttt_depth=0), "ttt_depth"),
+        (dict(init="eagle3", draft_vocab_size=0), "draft_vocab_size"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            DraftConfig(**bad)
+    with pytest.raises(ValueError, match=r"\[1, 5\]"):
+        check_aux_layers([2, 3, 6], 6)  # index L is the final normed output, not a layer input
+
+
+def test_engine_snippets_name_the_eagle3_method_of_every_engine():
+    snippets = engine_snippets("/d", 4, kind="eagle3")
+    assert snippets["vllm"]["speculative_config"] == {"model": "/d", "num_speculative_tokens": 4, "method": "eagle3"}
+    sglang = snippets["sglang"]
+    flags = dict(zip(sglang[::2], sglang[1::2]))
+    assert flags == {
+        "--speculative-algorithm": "EAGLE3", "--speculative-draft-model-path": "/d", "--speculative-num-steps": 4,
+        "--speculative-eagle-topk": 1, "--speculative-num-draft-tokens": 5,
+    }  # fmt: skip
+    assert snippets["trtllm"]["speculative_config"] == {
+        "decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "/d"
+    }  # fmt: skip
+    assert engine_snippets("/d", 4)["sglang"][1] == "STANDALONE"
+
+
+def test_the_standalone_loader_refuses_an_eagle3_head(target, tmp_path):
+    """transformers would read config.json as a plain Llama and load it with random weights, silently."""
+    from specdec_runtime.loading import ModelLoadError, load_checkpoint
+
+    head(target).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="EAGLE-3 head"):
+        load_checkpoint(tmp_path)

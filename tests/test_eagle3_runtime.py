@@ -1,0 +1,312 @@
+"""EAGLE-3 heads in the engine (eagle3_state.py): the aux features the target hands over, every drafted token against
+a from-scratch reference, greedy identity, and the exact distribution at T > 0 with a broken twin the same test rejects.
+
+Speculative decoding is exact for any draft, so identity and distribution tests only see the target's side (the aux
+capture and the wrapped cache). The draft's side (features lagging by one, rows fed the head's own states dropped on
+rollback, tree nodes fed their parent's state) is checked token by token: verification is forced to accept a fixed
+pattern of draft tokens, so rollbacks, refeeds and shrinking batches all happen, and every proposal must equal a
+reference that recomputes the target and the head from scratch for that one sequence.
+"""
+
+import pytest
+import torch
+from helpers import LLAMA_PROMPTS, assert_same_up_to_ties, chi_square_pvalue, gpu_llama, hf_greedy, tiny_llama
+
+import specdec_runtime.engine as engine
+import specdec_runtime.eagle3_state as eagle3_state
+import specdec_runtime.tree_step as tree_step
+from specdec_runtime.cpu import cpu_model
+from specdec_runtime.eagle3 import Eagle3Cache, Eagle3Draft, embed, target_aux_forward, to_target_logits
+from specdec_runtime.eagle3_state import AuxCapture, decoder_layers
+from specdec_runtime.engine import SamplingParams, generate
+from specdec_runtime.llama import Llama
+from specdec_runtime.sampling import warp_logits
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DRAFT_IDS = torch.arange(0, 64, 2)  # half the target's vocabulary: q is 0 on every odd id
+
+
+def random_head(target, ids=DRAFT_IDS, seed=0, scale=0.3) -> Eagle3Draft:
+    """A random head (fc, midlayer, norm and lm_head all perturbed, so every weight shows in the proposals)."""
+    draft = Eagle3Draft.from_target(target, ids, seed=seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(seed=1, layers=6)  # aux layers [2, 3, 3]
+    return target, random_head(target)
+
+
+# --------------------------------------------------------------------------------------- the target's aux features
+
+
+@pytest.mark.parametrize("backend", ["hf", "compact"])
+def test_the_hooks_capture_exactly_output_hidden_states(pair, backend):
+    target, draft = pair
+    layers = draft.aux_layers(target.config.num_hidden_layers)
+    tokens = torch.tensor([[5, 17, 3, 40, 22, 9], [11, 2, 60, 7, 7, 1]])
+    _, want = target_aux_forward(target, tokens, layers)  # (B, T, 3H)
+    model = target if backend == "hf" else Llama.from_hf(target)
+    capture = AuxCapture([decoder_layers(model)[i] for i in layers])
+    with torch.no_grad():
+        if backend == "hf":
+            model(input_ids=tokens)
+        else:
+            T = tokens.shape[1]
+            model.setup_cache(2, T)
+            mask = torch.ones(T, model.cache_shape[1], dtype=torch.bool).tril()[None, None].expand(2, 1, T, -1)
+            pos = torch.arange(T).expand(2, T)
+            model(tokens, pos, pos, mask)
+    capture.close()
+    torch.testing.assert_close(capture.read(2, 6), want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------- every proposal against a from-scratch reference
+
+
+def reference_logits(target, draft, seq: list[int], path: list[int]) -> torch.Tensor:
+    """The head's target-id logits (V,) for the token after `path`, drafted after seq = x_0..x_n (x_n not yet scored):
+    rows 0..n-1 fed the target's features of a full forward, then one row per path token fed the previous row's
+    pre-norm output."""
+    n = len(seq) - 1
+    with torch.no_grad():
+        _, aux = target_aux_forward(target, torch.tensor([seq]), draft.aux_layers(target.config.num_hidden_layers))
+        emb = embed(target, torch.tensor([seq[1:] + path]))  # emb[:, j]: the token at position j + 1
+        cache = Eagle3Cache()
+        logits, pre = draft(aux[:, :n], emb[:, :n], torch.arange(n)[None], cache)
+        for k in range(len(path)):
+            logits, pre = draft(pre[:, -1:], emb[:, n + k : n + k + 1], torch.tensor([[n + k]]), cache)
+    return to_target_logits(logits[0, -1], draft.d2t, draft.target_vocab)
+
+
+def forced_accepts(tokens: list[int], limit: int) -> int:
+    """How many draft tokens the forced verification accepts: a fixed function of the proposals, 0..limit."""
+    return sum(t // 2 for t in tokens) % (limit + 1)  # draft ids are even: halve them, or only even counts come
+
+
+def target_argmax(target, seq: list[int]) -> int:
+    with torch.no_grad():
+        return int(target(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+
+
+def record_chains(monkeypatch) -> list[torch.Tensor]:
+    """engine.verify replaced by forced acceptance; returns the list each step's drafts (B, G) are appended to."""
+    seen = []
+
+    def forced(p, q, x, generator, greedy=False):  # p: (B, G + 1, V)
+        seen.append(x.clone())
+        G = x.shape[1]
+        n = torch.tensor([forced_accepts(row, G) for row in x.tolist()])
+        return n, p[torch.arange(len(n)), n].argmax(-1)
+
+    monkeypatch.setattr(engine, "verify", forced)
+    return seen
+
+
+def replay_chains(target, draft, prompts, steps: list[torch.Tensor], gamma: int, max_new: int) -> list[list[int]]:
+    """Check every recorded chain against the reference, prompt by prompt (rows leave the batch in prompt order);
+    returns each prompt's emitted tokens under the forced rule."""
+    seqs = [list(p) + [target_argmax(target, p)] for p in prompts]
+    active = [i for i in range(len(prompts)) if max_new > 1]
+    for x in steps:
+        assert x.shape[0] == len(active), "rows left the batch at other steps than the reference's"
+        for row, i in zip(x.tolist(), active):
+            drafted = []
+            for tok in row:
+                assert tok == int(reference_logits(target, draft, seqs[i], drafted).argmax()), (i, row, drafted)
+                drafted.append(tok)
+            a = forced_accepts(row, gamma)
+            seqs[i] += row[:a] + [target_argmax(target, seqs[i] + row[:a])]
+        active = [i for i in active if len(seqs[i]) - len(prompts[i]) < max_new]
+    assert not active
+    return [s[len(p) :][:max_new] for s, p in zip(seqs, prompts)]
+
+
+@pytest.mark.parametrize("backend", ["hf", "compact"])
+def test_every_drafted_token_matches_the_reference(pair, monkeypatch, backend):
+    target, draft = pair
+    steps = record_chains(monkeypatch)
+    model = target if backend == "hf" else Llama.from_hf(target)
+    result = generate(model, draft, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=16)
+    assert result.tokens == replay_chains(target, draft, LLAMA_PROMPTS, steps, 3, 16)
+    accepted = torch.cat([torch.tensor([forced_accepts(r, 3) for r in x.tolist()]) for x in steps])
+    assert {0, 3} <= set(accepted.tolist())  # rejections and all-accepted steps (bonus + refeed) both happened
+
+
+@pytest.mark.parametrize(
+    "bug",
+    ["features_one_position_late", "rollback_keeps_own_rows"],
+)
+def test_a_broken_draft_state_is_caught(pair, monkeypatch, bug):
+    """Guard on the test above: each plausible bug changes some proposal."""
+    target, draft = pair
+    if bug == "features_one_position_late":
+        features = eagle3_state.AuxTargetState.features
+        monkeypatch.setattr(eagle3_state.AuxTargetState, "features", lambda self, r: features(self, (r - 1).clamp_min(0)))
+    else:
+
+        def keep_own_rows(self, drop):  # crop to the engine's length only, keeping rows fed the head's own states
+            self.lengths = self.lengths - drop
+            self.rows = torch.minimum(self.rows, (self.lengths - 1).clamp_min(0))
+            self.fed = torch.minimum(self.fed, self.rows)
+
+        monkeypatch.setattr(eagle3_state.Eagle3State, "rollback", keep_own_rows)
+    steps = record_chains(monkeypatch)
+    generate(target, draft, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=16)
+    with pytest.raises(AssertionError):
+        replay_chains(target, draft, LLAMA_PROMPTS, steps, 3, 16)
+
+
+def first_child_path(parents: list[int], rank: list[int], limit: int) -> list[int]:
+    """Node indices of the path through every level's rank-0 child, at most `limit` long."""
+    path, parent = [], -1
+    while len(path) < limit:
+        child = next((j for j, (p, r) in enumerate(zip(parents, rank)) if p == parent and r == 0), None)
+        if child is None:
+            break
+        path.append(child)
+        parent = child
+    return path
+
+
+@pytest.mark.parametrize("tree", ["2,2,1", "dynamic:6:3:2"])
+def test_every_tree_node_matches_the_reference(pair, monkeypatch, tree):
+    """Each node is its parent's top-k pick under the reference (fed its ancestors' own states); the forced path runs
+    through rank-0 children, so refeeds and path commits happen as in the chain."""
+    target, draft = pair
+    seen = []
+
+    def forced(tree_, tokens, logits):  # logits: (B, N + 1, V), column 1 + i is node i
+        B, N = tokens.shape
+        parents, rank = tree_.parents.expand(B, N).tolist(), tree_.rank.expand(B, N).tolist()
+        seen.append((parents, rank, tokens.tolist()))
+        paths, nxt = torch.full((B, tree_.max_depth), -1), []
+        for b in range(B):
+            full = first_child_path(parents[b], rank[b], tree_.max_depth)
+            path = full[: forced_accepts([tokens[b, j].item() for j in full], len(full))]
+            paths[b, : len(path)] = torch.tensor(path, dtype=torch.long)
+            nxt.append(logits[b, 1 + path[-1] if path else 0].argmax())
+        return paths, torch.stack(nxt)
+
+    monkeypatch.setattr(tree_step, "verify_tree_greedy", forced)
+    prompts, max_new = LLAMA_PROMPTS, 14
+    result = generate(target, draft, prompts, max_new_tokens=max_new, tree=tree)
+    seqs = [list(p) + [target_argmax(target, p)] for p in prompts]
+    active = list(range(len(prompts)))
+    for parents, rank, tokens in seen:
+        assert len(tokens) == len(active)
+        for b, i in enumerate(active):
+            for j, tok in enumerate(tokens[b]):
+                ancestors, a = [], parents[b][j]
+                while a >= 0:
+                    ancestors.insert(0, tokens[b][a])
+                    a = parents[b][a]
+                top = reference_logits(target, draft, seqs[i], ancestors).topk(2).indices.tolist()
+                assert tok == top[rank[b][j]] if tree == "2,2,1" else tok in top, (i, j)
+            full = first_child_path(parents[b], rank[b], 99)
+            path = [tokens[b][j] for j in full][: forced_accepts([tokens[b][j] for j in full], len(full))]
+            seqs[i] += path + [target_argmax(target, seqs[i] + path)]
+        active = [i for i in active if len(seqs[i]) - len(prompts[i]) < max_new]
+    assert result.tokens == [s[len(p) :][:max_new] for s, p in zip(seqs, prompts)]
+
+
+# ---------------------------------------------------------------------------------------------- greedy identity
+
+
+@pytest.mark.parametrize("tree", [None, "2,2,1", "dynamic:6"])
+@pytest.mark.parametrize("backend", ["hf", "compact", "cpu-fast"])
+def test_greedy_output_equals_target_only_greedy(pair, tree, backend):
+    target, draft = pair
+    want = hf_greedy(target, LLAMA_PROMPTS, 20)
+    stop = want[0][5]  # prompt 0 stops mid-run, most likely in the middle of a drafted chain
+    want_stop = hf_greedy(target, LLAMA_PROMPTS, 20, eos=stop)
+    model = {"hf": lambda: target, "compact": lambda: Llama.from_hf(target), "cpu-fast": lambda: cpu_model(target)}
+    model = model[backend]()
+    for stop_ids, expected in (((), want), ((stop,), want_stop)):
+        got = generate(model, draft, LLAMA_PROMPTS, num_draft_tokens=4, max_new_tokens=20, stop_token_ids=stop_ids,
+                       tree=tree)  # fmt: skip
+        assert got.tokens == expected, (tree, stop_ids)
+
+
+# ---------------------------------------------------------------------------------------- distribution at T > 0
+
+V6 = 6
+DIST_PROMPTS = {"short": [4], "long": [2, 5, 1, 3]}
+DRAWS = 6000  # per prompt kind
+
+
+def joint3(target, prompt: list[int], sampling: SamplingParams) -> torch.Tensor:
+    """P(y1, y2, y3) of target-only sampling after `prompt` -> (V, V, V), from full forwards."""
+    with torch.no_grad():
+        p1 = warp_logits(target(input_ids=torch.tensor([prompt])).logits[0, -1], sampling)
+        two = torch.tensor([prompt + [a] for a in range(V6)])
+        p2 = warp_logits(target(input_ids=two).logits[:, -1], sampling)  # (V, V)
+        three = torch.tensor([prompt + [a, b] for a in range(V6) for b in range(V6)])
+        p3 = warp_logits(target(input_ids=three).logits[:, -1], sampling).view(V6, V6, V6)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.fixture(scope="module")
+def spread_pair():
+    target = tiny_llama(seed=5, vocab_size=V6, layers=4, initializer_range=0.5, max_position_embeddings=64)
+    return target, random_head(target, torch.tensor([0, 2, 3, 5]), seed=1, scale=0.5)  # q = 0 on tokens 1 and 4
+
+
+def joint_pvalues(target, draft, sampling, rule, tree=None, seed=0) -> dict[str, float]:
+    prompts = [DIST_PROMPTS["short"], DIST_PROMPTS["long"]] * DRAWS
+    result = generate(target, draft, prompts, num_draft_tokens=2, draft_rule=rule, sampling=sampling,
+                      max_new_tokens=3, tree=tree, generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    flat = (torch.tensor(result.tokens) * torch.tensor([V6 * V6, V6, 1])).sum(1)
+    return {
+        kind: chi_square_pvalue(torch.bincount(flat[i::2], minlength=V6**3), joint3(target, DIST_PROMPTS[kind], sampling))
+        for i, kind in enumerate(("short", "long"))
+    }
+
+
+@pytest.mark.parametrize(
+    "rule,tree,sampling",
+    [
+        ("sample", None, SamplingParams(1.0)),
+        ("greedy", None, SamplingParams(1.0)),
+        ("sample", None, SamplingParams(0.8, top_k=4)),
+        ("sample", "2,1", SamplingParams(1.0)),
+        ("greedy", "dynamic:4", SamplingParams(1.0)),
+    ],
+    ids=["chain-sample", "chain-greedy", "chain-topk", "static-sample", "dynamic"],
+)
+def test_sampling_is_distributed_as_target_only(spread_pair, rule, tree, sampling):
+    target, draft = spread_pair
+    for kind, pvalue in joint_pvalues(target, draft, sampling, rule, tree).items():
+        assert pvalue > 1e-4, kind
+
+
+@pytest.mark.parametrize("rule", ["sample", "greedy"])
+def test_a_target_state_that_forgets_its_rollback_is_caught(spread_pair, monkeypatch, rule):
+    """Guard on the test above: a wrapper that drops the rollback leaves rejected drafts in the target's cache."""
+    target, draft = spread_pair
+    monkeypatch.setattr(eagle3_state.AuxTargetState, "rollback", lambda self, drop: None)
+    pvalues = joint_pvalues(target, draft, SamplingParams(1.0), rule)
+    assert min(pvalues.values()) < 1e-6, pvalues
+
+
+# --------------------------------------------------------------------------------------------- CUDA static cache
+
+
+@pytest.mark.gpu
+def test_compact_cuda_graph_path_is_greedy_exact():
+    """bf16 compact target with CUDA graphs: the graphs bake the aux copies in (captured after the hooks), a second
+    call replays them, and a standalone run before does not leave graphs without the copies."""
+    target = gpu_llama(7)
+    draft = Eagle3Draft.from_target(target, torch.arange(0, 64, 2, device="cuda"), seed=0).eval()
+    want = hf_greedy(target, LLAMA_PROMPTS, 24)
+    fast = Llama.from_hf(target, dtype=torch.bfloat16)
+    generate(fast, None, LLAMA_PROMPTS, max_new_tokens=8)  # graphs captured without hooks
+    for tree in (None, None, "2,2,1", "dynamic:6"):
+        got = generate(fast, draft, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=24, tree=tree)
+        assert_same_up_to_ties(target, LLAMA_PROMPTS, got.tokens, want, f"eagle3 tree={tree}")
+    assert fast.graphs, "the decode steps ran as CUDA graphs"
