@@ -51,6 +51,7 @@ from distill.prompts import (
 from specdec_runtime.atomic import staged_dir, write_text
 from specdec_runtime.bench import fast_model
 from specdec_runtime.engine import SamplingParams, generate
+from specdec_runtime.loading import stop_token_ids
 
 FORMAT_VERSION = 2  # bump when the columns or the sampling scheme change, so old caches are not reused
 COMPLETE = ".complete"
@@ -130,7 +131,7 @@ def generate_teacher_data(
             f"data.teacher_cache_top_k={cfg.teacher_cache_top_k} exceeds the teacher's vocabulary ({vocab}); lower it"
         )
     out_dir = Path(out_dir)
-    stop_ids = stop_token_ids(teacher, tokenizer)
+    stop_ids = list(stop_token_ids(teacher, tokenizer))
     job = dict(cfg=cfg, out_dir=out_dir, teacher_id=teacher_id, seed=seed, stop_ids=stop_ids, rank=rank)
     decoder = fast_model(teacher, cpu_fast_path)  # the model the engine decodes with
     if cfg.prompts == SELF_INSTRUCT:
@@ -295,13 +296,6 @@ def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     logprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (B, T, V), fp32 so the normaliser is exact
     values, ids = logprobs.topk(k, dim=-1)  # (B, T, K)
     return values.half(), ids.int()
-
-
-def stop_token_ids(teacher, tokenizer) -> list[int]:
-    """The teacher's end-of-turn tokens: its generation config's eos ids plus the tokenizer's eos."""
-    eos = teacher.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    return sorted(int(i) for i in ids if i is not None)
 
 
 def shards_for_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
@@ -682,7 +676,14 @@ def collate(rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool) -> d
 
 @torch.no_grad()
 def on_policy_rows(
-    model, rows: list[dict], *, eos_id: int, pad_id: int, data: DataConfig, max_seq_len: int, synced: bool = False
+    model,
+    rows: list[dict],
+    *,
+    stop_ids: list[int],
+    pad_id: int,
+    data: DataConfig,
+    max_seq_len: int,
+    synced: bool = False,
 ) -> list[dict]:
     """The student's own answers to the rows' prompts, sampled like the teacher data (GKD, Agarwal et al. 2024;
     DistillSpec, Zhou et al. 2024). Rows whose prompt leaves no room under `max_seq_len` stay as they are.
@@ -712,7 +713,7 @@ def on_policy_rows(
         input_ids=input_ids,
         attention_mask=attention_mask,
         max_new_tokens=max_new,
-        eos_token_id=eos_id,
+        eos_token_id=stop_ids,  # the tokenizer's EOS and the generation config's end-of-turn ids, as teacher data
         pad_token_id=pad_id,
         synced_gpus=synced,
         **sampling,
@@ -720,6 +721,7 @@ def on_policy_rows(
     model.train(was_training)
     answers = []
     for prompt, new in zip(prompts, out[:, P:].tolist()):
-        response = new[: new.index(eos_id) + 1] if eos_id in new else new
+        end = next((i for i, t in enumerate(new) if t in stop_ids), None)
+        response = new if end is None else new[: end + 1]
         answers.append({"input_ids": prompt + response, "prompt_len": len(prompt)})
     return answers

@@ -23,9 +23,10 @@ def _lower(setting: dict) -> tuple[float, float]:
     return (ci[0] if ci else float("-inf"), setting.get("speedup") or float("-inf"))
 
 
-def choose(report: dict, temperature: float, draft_rule: str) -> tuple[dict, dict]:
+def choose(report: dict, temperature: float, draft_rule: str, min_acceptance: float = 0.0) -> tuple[dict, dict]:
     """(candidate, setting): the chain at (temperature, draft_rule) whose selection-split speedup interval has the
-    highest lower end (ties: the higher median). ValueError when the report has no such chain."""
+    highest lower end (ties: the higher median), among the chains whose acceptance_rate reaches `min_acceptance`
+    (all chains when none does, so the refusal names that gate). ValueError when the report has no such chain."""
     rule = "greedy" if temperature == 0 else draft_rule  # the sweep runs only greedy at T=0 (identical there)
     options = [
         (c, s)
@@ -38,7 +39,9 @@ def choose(report: dict, temperature: float, draft_rule: str) -> tuple[dict, dic
             f"the report has no setting at temperature={temperature}, draft_rule={rule}; add them to "
             "eval.temperatures / eval.draft_rules or change serving.temperature / serving.draft_rule"
         )
-    return max(options, key=lambda cs: _lower(cs[1]))
+    # A fast-looking setting the acceptance gate would refuse must not hide one that passes both gates.
+    accepted = [cs for cs in options if (cs[1].get("acceptance_rate") or 0.0) >= min_acceptance]
+    return max(accepted or options, key=lambda cs: _lower(cs[1]))
 
 
 def max_concurrency(rows: list[dict], threshold: float) -> int | None:
@@ -58,7 +61,7 @@ def _fmt_ci(ci) -> str:
 def recommend(report: dict, serving: ServingConfig) -> dict:
     """The recommendation block of the report: the chosen setting, its selection and confirmation numbers, and
     whether it is enabled, with the gate that decided (`gate`: speedup_ci, min_acceptance, or passed)."""
-    cand, best = choose(report, serving.temperature, serving.draft_rule)
+    cand, best = choose(report, serving.temperature, serving.draft_rule, serving.min_acceptance)
     conf = report.get("confirmation")
     if conf is None:
         raise ValueError("the report has no confirmation measurement; run `specdistill eval` (it confirms the choice)")

@@ -480,7 +480,7 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     )
     temps = {c.get("expected_acceptance_temperature", 1.0) for c in report["candidates"]}
     label = f"expected_acceptance (T={temps.pop():g})" if len(temps) == 1 else "expected_acceptance"
-    cand_cols = ["candidate", "draft", "num_parameters", label, "best chain speedup", "its speedup_ci"]
+    cand_cols = ["candidate", "kind", "draft", "num_parameters", label, "best chain speedup", "its speedup_ci"]
     cand_rows = []
     for c in report["candidates"]:
         chains = [s for s in c["settings"] if _is_chain(s) and s.get("speedup") is not None]
@@ -488,6 +488,7 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         cand_rows.append(
             [
                 c["name"],
+                c.get("kind", "standalone"),  # standalone LM or eagle3 head (shared/EAGLE3.md)
                 c["draft"],
                 _fmt(c.get("num_parameters")),
                 _fmt(c.get("expected_acceptance")),

@@ -37,10 +37,12 @@ from eval.config import EvalConfig, ServingConfig
 from eval.recommend import choose
 from specdec_runtime.ab import PeakMemory, paired_metrics, paired_runs, pooled
 from specdec_runtime.bench import backend_name, fast_model, full_units, longest_unit
+from specdec_runtime.eagle3 import Eagle3Draft, first_step_logits, is_eagle3_folder
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.loading import (
     check_vocab_compatible,
     load_checkpoint,
+    load_eagle3,
     load_model,
     resolve_dtype,
     stop_token_ids,
@@ -61,6 +63,11 @@ class Candidate:
     """HF folder with the draft's weights (a best/ or checkpoint folder, or an exported draft)."""
     run_dir: Path | None = None
     """Its distillation run directory, when known (for training curves)."""
+
+    @property
+    def kind(self) -> str:
+        """`eagle3` for an EAGLE-3 head (shared/EAGLE3.md), else `standalone`: the report's `kind` column."""
+        return "eagle3" if is_eagle3_folder(self.path) else "standalone"
 
 
 @dataclass
@@ -123,7 +130,10 @@ def check_draft_folder(path: Path) -> None:
 
 
 def load_draft(cand: Candidate, device: str, dtype: str):
-    """Load a candidate's draft; a LoRA adapter folder is merged into its base for decoding."""
+    """Load a candidate's draft (tokenizer None for an EAGLE-3 head saved without one); a LoRA adapter folder is
+    merged into its base for decoding."""
+    if cand.kind == "eagle3":
+        return load_eagle3(cand.path, dtype=dtype, device=device)
     if (cand.path / "adapter_config.json").is_file():
         # `load_checkpoint` finds the adapters' real base (a truncated student's lora_base/) and refuses a base whose
         # architecture is not the one the adapters were trained on.
@@ -225,7 +235,9 @@ def offline_acceptance(
             ids = torch.tensor([prompt.ids + out], device=target.device)
             start = len(prompt.ids) - 1  # logits at position t predict token t + 1: the response's predictors
             t_logits = target(ids).logits[:, start:-1]
-            d_logits = draft(ids).logits[:, start:-1]
+            # an EAGLE-3 head's first draft step, from the target's features (its later steps read its own)
+            d_logits = first_step_logits(draft, target, ids) if isinstance(draft, Eagle3Draft) else draft(ids).logits
+            d_logits = d_logits[:, start:-1]
             mask = torch.ones(t_logits.shape[:2], device=target.device)
             total += float(expected_acceptance(t_logits, d_logits, mask, sampling, rule)) * len(out)
             count += len(out)
@@ -307,7 +319,8 @@ def evaluate(
     measured = []
     for cand in candidates:
         draft, draft_tokenizer = load_draft(cand, device, dtype)
-        check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
+        if draft_tokenizer is not None:  # an EAGLE-3 head's ids are the target's by construction
+            check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
         fast_draft = fast_model(draft, cpu_fast_path, draft=True)
         rows = []
         for point in points:
@@ -371,7 +384,7 @@ def confirm(
 ) -> dict:
     """Measure the setting `choose` picks from the selection numbers on this rank's confirmation prompts, once per
     batch size -> the report's `confirmation` block (merged over ranks)."""
-    cand_report, best = choose(report, serving.temperature, _serving_rule(serving))
+    cand_report, best = choose(report, serving.temperature, _serving_rule(serving), serving.min_acceptance)
     cand = next(c for c in candidates if c.name == cand_report["name"])
     draft, _ = load_draft(cand, device, dtype)
     fast_draft = fast_model(draft, cpu_fast_path, draft=True)
@@ -523,7 +536,7 @@ def build_report(
             {
                 "name": cand.name,
                 "draft": str(cand.path),
-                "kind": "standalone",
+                "kind": cand.kind,
                 "run_dir": str(cand.run_dir) if cand.run_dir else None,
                 "num_parameters": per_rank[0]["params"],
                 "expected_acceptance": sum(m["offline_t1"] for m in per_rank) / len(per_rank),

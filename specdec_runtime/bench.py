@@ -1,5 +1,8 @@
 """Benchmark one target/draft pair on one prompt set: target-only vs speculative (ours) vs HF assisted generation.
 
+An EAGLE-3 head (`eagle3.Eagle3Draft`) runs without the HF assisted arm: transformers has no EAGLE-3 path, so the
+JSON says `hf_assisted: {"skipped": "..."}` and `speedup_vs_hf_assisted` is null.
+
 All arms run in this process on the same prompts with the same stop tokens, paired and repeated (`ab.paired_runs`:
 ABBA order per unit, `repeats` times); warm-up runs on the longest unit are excluded from timings. A unit is one
 batch of `batch_size` prompts (prompts past the last full batch are left out, so every timed call has one shape and
@@ -22,7 +25,7 @@ import copy
 import statistics
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +33,7 @@ from transformers import GenerationConfig, LlamaForCausalLM
 
 from .ab import decode_s_per_token, paired_metrics, paired_runs, paired_speedup, pooled
 from .cpu import CPU_BACKEND, cpu_model, draft_dtype
+from .eagle3 import Eagle3Draft
 from .engine import generate
 from .llama import Llama
 from .loading import stop_token_ids
@@ -40,7 +44,9 @@ from .sampling import DraftRule, SamplingParams
 def fast_model(model: torch.nn.Module, cpu_fast_path: bool = True, draft: bool = False) -> torch.nn.Module:
     """The compact bf16 model for a Llama checkpoint on CUDA; on the CPU the compact model's fast CPU path
     (`cpu.cpu_model`: fp32 for a target, `cpu.draft_dtype()` for a draft) unless cpu_fast_path is False; any other
-    model is returned as is."""
+    model is returned as is (an EAGLE-3 head always: the engine pairs it with the target's state)."""
+    if isinstance(model, Eagle3Draft):
+        return model
     if model.device.type == "cuda" and model.config.model_type == "llama":
         return Llama.from_hf(model, dtype=torch.bfloat16)
     if model.device.type == "cpu" and cpu_fast_path and isinstance(model, LlamaForCausalLM):
@@ -195,7 +201,8 @@ def run_bench(
     )
     hf_config = hf_generation_config(tokenizer, stop, max_new_tokens, temperature)
     hook = VerifyWidths(target)
-    arms = ["target_only", "speculative", *(["tree"] if tree is not None else []), "hf_assisted"]
+    eagle3 = isinstance(draft, Eagle3Draft)  # transformers has no EAGLE-3 path: no HF assisted arm
+    arms = ["target_only", "speculative", *(["tree"] if tree is not None else []), *([] if eagle3 else ["hf_assisted"])]
 
     def run(unit: int, arm: str, repeat: int):
         call_seed = seed + 7919 * repeat + unit  # the same seed for every arm of a pair
@@ -209,7 +216,7 @@ def run_bench(
         ).stats
 
     try:
-        with fair_assistant(hf_draft, num_draft_tokens):
+        with nullcontext() if eagle3 else fair_assistant(hf_draft, num_draft_tokens):
             # speculative arms first: they size the target's static cache, which target-only then reuses as is
             for arm in [a for a in arms if a != "target_only"] + ["target_only"]:
                 for _ in range(warmup):  # compile kernels, capture CUDA graphs, fill allocator caches
@@ -231,6 +238,7 @@ def run_bench(
             "stop_token_ids": list(stop),
             "backend": backend_name(fast_target),
             "compact_model": fast_target is not target,
+            "draft_kind": "eagle3" if eagle3 else "standalone",
             "tree": tree,
         }
     }
@@ -243,23 +251,37 @@ def _arm(stats: GenerationStats) -> dict:
     }
 
 
-def _bench_result(runs: dict, gamma: int, tree: str | None) -> dict:
+HF_SKIPPED_EAGLE3 = (
+    "transformers' assisted generation has no EAGLE-3 path (an EAGLE-3 head reads the target's hidden states and "
+    "has no embeddings of its own); it is served by vLLM, SGLang, TensorRT-LLM and this runtime"
+)
+
+
+def _hf_block(runs: dict) -> tuple[dict, dict]:
+    """The `hf_assisted` block and the paired speedup against it; `{"skipped": why}` when the arm did not run."""
+    if "hf_assisted" not in runs:
+        return {"skipped": HF_SKIPPED_EAGLE3}, {"speedup": None, "speedup_ci": None}
     hf_runs = [c for unit in runs["hf_assisted"] for c in unit]
     widths = [w for c in hf_runs for w in c.widths]
     hf_wall, hf_tokens = sum(c.wall_s for c in hf_runs), sum(c.new_tokens for c in hf_runs)
-    vs_hf = paired_speedup(runs["hf_assisted"], runs["speculative"], _wall_s_per_token)
+    block = {
+        "tokens_per_s": hf_tokens / hf_wall if hf_wall else None,
+        "wall_s": hf_wall,
+        "new_tokens": hf_tokens,
+        # the median: the last step of a sequence drafts fewer when max_new_tokens cuts it short
+        "draft_tokens_per_step": statistics.median(widths) if widths else None,
+        "draft_tokens_per_step_mean": statistics.fmean(widths) if widths else None,
+        "verify_steps": len(widths),
+    }
+    return block, paired_speedup(runs["hf_assisted"], runs["speculative"], _wall_s_per_token)
+
+
+def _bench_result(runs: dict, gamma: int, tree: str | None) -> dict:
+    hf, vs_hf = _hf_block(runs)
     result = {
         "target_only": _arm(pooled(runs["target_only"])),
         "speculative": _arm(pooled(runs["speculative"])),
-        "hf_assisted": {
-            "tokens_per_s": hf_tokens / hf_wall if hf_wall else None,
-            "wall_s": hf_wall,
-            "new_tokens": hf_tokens,
-            # the median: the last step of a sequence drafts fewer when max_new_tokens cuts it short
-            "draft_tokens_per_step": statistics.median(widths) if widths else None,
-            "draft_tokens_per_step_mean": statistics.fmean(widths) if widths else None,
-            "verify_steps": len(widths),
-        },
+        "hf_assisted": hf,
         **paired_metrics(runs["target_only"], runs["speculative"], gamma),
         "speedup_vs_hf_assisted": vs_hf["speedup"],
         "speedup_vs_hf_assisted_ci": vs_hf["speedup_ci"],
@@ -283,6 +305,9 @@ def format_bench_table(result: dict) -> str:
     lines = [f"{'mode':<13}{'tokens/s':>11}{'wall_s':>10}{'new_tokens':>12}"]
     for mode in ("target_only", "speculative", "hf_assisted"):
         row = result[mode]
+        if "skipped" in row:
+            lines.append(f"{mode:<13}skipped: {row['skipped']}")
+            continue
         lines.append(f"{mode:<13}{row['tokens_per_s'] or 0:>11.1f}{row['wall_s']:>10.3f}{row['new_tokens']:>12d}")
     names = (
         "acceptance_rate",
@@ -302,7 +327,9 @@ def format_bench_table(result: dict) -> str:
         ci = result.get(f"{name}_ci") if name != "speedup" else result["speedup_ci"]
         lines.append(f"{name:<{width}}  {value}" + (f"  95% CI {_ci(ci)}" if ci else ""))
     hf = result["hf_assisted"]
-    lines.append(f"{'hf draft tokens/step':<{width}}  {hf['draft_tokens_per_step']} (median over {hf['verify_steps']})")
+    if "skipped" not in hf:
+        median = f"{hf['draft_tokens_per_step']} (median over {hf['verify_steps']})"
+        lines.append(f"{'hf draft tokens/step':<{width}}  {median}")
     if "tree" in result:
         row = result["tree"]
         lines.append(f"tree {row['tree']}: {row['tokens_per_s']:.1f} tokens/s, {row['wall_s']:.3f} s")

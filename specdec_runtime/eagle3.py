@@ -325,6 +325,23 @@ class Eagle3Draft(nn.Module):
         return model
 
 
+def first_step_logits(draft: Eagle3Draft, target, input_ids: Tensor) -> Tensor:
+    """(B, T) token ids -> (B, T, V) target-id logits aligned as a standalone LM's: position t predicts token t + 1
+    from the row (h_{t-1}, embedding of x_t), the head's first draft step; position 0 (no row) is uniform over the
+    draft vocabulary. What `expected_acceptance` compares with the target's logits offline."""
+    L = target.config.num_hidden_layers
+    _, aux = target_aux_forward(target, input_ids, draft.aux_layers(L))
+    w = draft.fc.weight
+    logits, _ = draft(aux[:, :-1].to(w.dtype), embed(target, input_ids[:, 1:]).to(w.dtype), _positions(input_ids))
+    logits = torch.cat([torch.zeros_like(logits[:, :1]), logits], 1)  # (B, T, Vd)
+    return to_target_logits(logits.float(), draft.d2t, draft.target_vocab)
+
+
+def _positions(input_ids: Tensor) -> Tensor:
+    """(B, T) -> (B, T - 1) rope positions 0..T-2 of the rows."""
+    return torch.arange(input_ids.shape[1] - 1, device=input_ids.device).expand(input_ids.shape[0], -1)
+
+
 def is_eagle3_folder(folder: Path | str) -> bool:
     """True when `folder/config.json` names the EAGLE-3 architecture."""
     path = Path(folder) / CONFIG_FILE

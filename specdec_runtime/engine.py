@@ -20,6 +20,9 @@ loop and the stats.
     result.tokens, result.stats.aggregate()
     generate(target, draft, [[1, 2, 3]], tree="4,2,2,1")        # static tree: branching per depth
     generate(target, draft, [[1, 2, 3]], tree="dynamic:16")     # EAGLE-2 dynamic tree of 16 nodes
+
+An EAGLE-3 head (`eagle3.Eagle3Draft`) drafts through the same steps: `_states` pairs it with the target's state
+(eagle3_state.py), which hands over the target's aux hidden states of every verified token.
 """
 
 import time

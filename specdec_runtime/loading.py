@@ -313,7 +313,7 @@ def load_checkpoint(checkpoint: Path):
     if is_eagle3_folder(checkpoint):  # transformers would load it as a LlamaForCausalLM of random weights
         raise ModelLoadError(
             f"{checkpoint} is an EAGLE-3 head (LlamaForCausalLMEagle3), not a standalone model: load it with "
-            "specdec_runtime.eagle3.Eagle3Draft.from_pretrained and run it with its target"
+            "specdec_runtime.loading.load_eagle3 and run it with its target"
         )
     is_lora = (checkpoint / "adapter_config.json").is_file()
     if is_lora and not (checkpoint / "adapter_model.safetensors").is_file():
@@ -347,6 +347,31 @@ def load_checkpoint(checkpoint: Path):
         with own_weights_loading():
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto", use_safetensors=True)
     return model.eval(), _load_tokenizer(checkpoint, base_path, AutoTokenizer), is_lora
+
+
+def load_eagle3(folder: Path | str, *, dtype: str = "auto", device: str = "auto"):
+    """An EAGLE-3 head folder (best/, a checkpoint, an export) -> (Eagle3Draft, its tokenizer or None), eval mode.
+
+    The head has no embeddings and runs only next to its target (`engine.generate` pairs the two)."""
+    from transformers import AutoTokenizer
+
+    from specdec_runtime.eagle3 import Eagle3Draft, is_eagle3_folder
+
+    folder, device = Path(folder), resolve_device(device)
+    if not is_eagle3_folder(folder):
+        raise ModelLoadError(f"{folder} is not an EAGLE-3 head (its config.json names no LlamaForCausalLMEagle3)")
+    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    return Eagle3Draft.from_pretrained(folder, device=device, dtype=resolve_dtype(dtype, device)), tokenizer
+
+
+def load_draft_model(spec: str, *, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
+    """A draft of either kind from a model spec -> (model, tokenizer or None): an EAGLE-3 head folder through
+    `load_eagle3`, anything else through `load_model`."""
+    from specdec_runtime.eagle3 import is_eagle3_folder
+
+    if Path(spec).is_dir() and is_eagle3_folder(spec):
+        return load_eagle3(spec, dtype=dtype, device=device)
+    return load_model(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
 
 
 def _check_same_architecture(checkpoint: Path, base_path: Path | str, base_config: dict) -> None:

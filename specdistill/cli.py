@@ -161,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from specdec_runtime.engine import SamplingParams, generate
-    from specdec_runtime.loading import check_vocab_compatible, load_model, stop_token_ids
+    from specdec_runtime.loading import check_vocab_compatible, load_draft_model, load_model, stop_token_ids
     from specdec_runtime.tree import parse_tree
 
     if args.tree:
@@ -170,9 +170,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
                                    trust_remote_code=args.trust_remote_code)
     draft = None
     if args.draft:
-        draft, draft_tokenizer = load_model(args.draft, dtype=args.dtype, device=args.device,
-                                            trust_remote_code=args.trust_remote_code)
-        check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
+        draft, draft_tokenizer = load_draft_model(args.draft, dtype=args.dtype, device=args.device,
+                                                  trust_remote_code=args.trust_remote_code)
+        if draft_tokenizer is not None:  # an EAGLE-3 head saved without one uses the target's ids by construction
+            check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
     prompt = tokenizer.encode(args.prompt) if args.no_chat_template else chat_prompt_ids(tokenizer, args.prompt)
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     start = time.perf_counter()
@@ -200,7 +201,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from distill.prompts import load_prompts, render_chat
     from specdec_runtime.bench import format_bench_table, run_bench
-    from specdec_runtime.loading import check_vocab_compatible, load_model
+    from specdec_runtime.loading import check_vocab_compatible, load_draft_model, load_model
     from specdec_runtime.tree import parse_tree
 
     if not args.draft:
@@ -209,9 +210,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         parse_tree(args.tree)  # a bad spec fails before the models load
     target, tokenizer = load_model(args.target, dtype=args.dtype, device=args.device,
                                    trust_remote_code=args.trust_remote_code)
-    draft, draft_tokenizer = load_model(args.draft, dtype=args.dtype, device=args.device,
-                                        trust_remote_code=args.trust_remote_code)
-    check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
+    draft, draft_tokenizer = load_draft_model(args.draft, dtype=args.dtype, device=args.device,
+                                              trust_remote_code=args.trust_remote_code)
+    if draft_tokenizer is not None:
+        check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
     records = load_prompts(args.prompts, limit=args.num_prompts)
     prompts = [render_chat(tokenizer, r.messages) for r in records]
     torch.manual_seed(args.seed)

@@ -8,18 +8,29 @@ pattern of draft tokens, so rollbacks, refeeds and shrinking batches all happen,
 reference that recomputes the target and the head from scratch for that one sequence.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import LLAMA_PROMPTS, assert_same_up_to_ties, chi_square_pvalue, gpu_llama, hf_greedy, tiny_llama
 
-import specdec_runtime.engine as engine
 import specdec_runtime.eagle3_state as eagle3_state
+import specdec_runtime.engine as engine
 import specdec_runtime.tree_step as tree_step
+from specdec_runtime.bench import format_bench_table, run_bench
 from specdec_runtime.cpu import cpu_model
-from specdec_runtime.eagle3 import Eagle3Cache, Eagle3Draft, embed, target_aux_forward, to_target_logits
+from specdec_runtime.eagle3 import (
+    Eagle3Cache,
+    Eagle3Draft,
+    embed,
+    first_step_logits,
+    target_aux_forward,
+    to_target_logits,
+)
 from specdec_runtime.eagle3_state import AuxCapture, decoder_layers
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.llama import Llama
+from specdec_runtime.loading import load_draft_model
 from specdec_runtime.sampling import warp_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -140,14 +151,19 @@ def test_every_drafted_token_matches_the_reference(pair, monkeypatch, backend):
 
 @pytest.mark.parametrize(
     "bug",
-    ["features_one_position_late", "rollback_keeps_own_rows"],
+    ["features_one_position_late", "rollback_keeps_own_rows", "d2t_offset_off_by_one"],
 )
 def test_a_broken_draft_state_is_caught(pair, monkeypatch, bug):
     """Guard on the test above: each plausible bug changes some proposal."""
     target, draft = pair
-    if bug == "features_one_position_late":
+    if bug == "d2t_offset_off_by_one":  # exact all the same (x and q agree): only the proposals show it
+        scatter = eagle3_state.to_target_logits
+        monkeypatch.setattr(eagle3_state, "to_target_logits", lambda logits, d2t, V: scatter(logits, d2t + 1, V))
+    elif bug == "features_one_position_late":
         features = eagle3_state.AuxTargetState.features
-        monkeypatch.setattr(eagle3_state.AuxTargetState, "features", lambda self, r: features(self, (r - 1).clamp_min(0)))
+        monkeypatch.setattr(
+            eagle3_state.AuxTargetState, "features", lambda self, r: features(self, (r - 1).clamp_min(0))
+        )
     else:
 
         def keep_own_rows(self, drop):  # crop to the engine's length only, keeping rows fed the head's own states
@@ -263,7 +279,9 @@ def joint_pvalues(target, draft, sampling, rule, tree=None, seed=0) -> dict[str,
                       max_new_tokens=3, tree=tree, generator=torch.Generator().manual_seed(seed))  # fmt: skip
     flat = (torch.tensor(result.tokens) * torch.tensor([V6 * V6, V6, 1])).sum(1)
     return {
-        kind: chi_square_pvalue(torch.bincount(flat[i::2], minlength=V6**3), joint3(target, DIST_PROMPTS[kind], sampling))
+        kind: chi_square_pvalue(
+            torch.bincount(flat[i::2], minlength=V6**3), joint3(target, DIST_PROMPTS[kind], sampling)
+        )
         for i, kind in enumerate(("short", "long"))
     }
 
@@ -310,3 +328,57 @@ def test_compact_cuda_graph_path_is_greedy_exact():
         got = generate(fast, draft, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=24, tree=tree)
         assert_same_up_to_ties(target, LLAMA_PROMPTS, got.tokens, want, f"eagle3 tree={tree}")
     assert fast.graphs, "the decode steps ran as CUDA graphs"
+
+
+# ------------------------------------------------------------------------------------------ loading and bench
+
+
+def test_bench_skips_hf_assisted_for_a_head_and_says_why(pair, tmp_path):
+    target, draft = pair
+    draft.save_pretrained(tmp_path / "head")
+    head, tokenizer = load_draft_model(str(tmp_path / "head"))  # either kind from one spec
+    assert isinstance(head, Eagle3Draft) and tokenizer is None
+    result = run_bench(target, head, SimpleNamespace(eos_token_id=None, pad_token_id=0), LLAMA_PROMPTS[:2],
+                       num_draft_tokens=3, max_new_tokens=8, temperature=0.0, batch_size=1, seed=0, repeats=1,
+                       tree="2,1")  # fmt: skip
+    assert set(result["hf_assisted"]) == {"skipped"} and "no EAGLE-3 path" in result["hf_assisted"]["skipped"]
+    assert result["speedup_vs_hf_assisted"] is None and result["settings"]["draft_kind"] == "eagle3"
+    assert result["speculative"]["phases"]["draft_s"] > 0 and result["tree"]["speedup"] > 0
+    assert "hf_assisted  skipped: transformers" in format_bench_table(result)
+
+
+def test_offline_first_step_logits_are_the_engines_first_proposals(pair):
+    """`first_step_logits` (the eval's expected_acceptance) at position t is what the engine's first draft step
+    proposes after x_0..x_t: the reference built from scratch."""
+    target, draft = pair
+    seq = [5, 17, 3, 40, 22, 9, 30]
+    with torch.no_grad():
+        got = first_step_logits(draft, target, torch.tensor([seq]))[0]  # (T, V)
+    for t in range(1, len(seq)):
+        torch.testing.assert_close(got[t], reference_logits(target, draft, seq[: t + 1], []), rtol=1e-5, atol=1e-5)
+
+
+def test_promoting_a_head_writes_the_engines_eagle3_methods(tmp_path):
+    """The recommendation's kind reaches serving.yaml and every engine's method (shared/EAGLE3.md)."""
+    from helpers import make_report
+
+    from eval.config import ServingConfig
+    from eval.promote import build_serving
+    from eval.recommend import recommend
+
+    report = make_report(tmp_path)
+    for cand in report["candidates"]:
+        cand["kind"] = "eagle3"
+    report["recommendation"] = recommend(report, ServingConfig(min_acceptance=0.0))
+    assert report["recommendation"]["kind"] == "eagle3" and report["recommendation"]["enabled"]
+    serving = build_serving({}, report, tmp_path / "report.json", "export/head", "2026-12-01T00:00:00Z")
+    K = report["recommendation"]["num_draft_tokens"]
+    assert serving["speculative"]["kind"] == "eagle3"
+    vllm, sglang, trtllm = (serving["engines"][e] for e in ("vllm", "sglang", "trtllm"))
+    spec = vllm["speculative_config"]
+    assert (spec["model"], spec["num_speculative_tokens"], spec["method"]) == ("export/head", K, "eagle3")
+    assert sglang[:2] == ["--speculative-algorithm", "EAGLE3"]  # EAGLE would skip fc and serve a useless draft
+    assert sglang[sglang.index("--speculative-num-steps") + 1] == K
+    assert sglang[sglang.index("--speculative-eagle-topk") + 1] == 1
+    assert sglang[sglang.index("--speculative-num-draft-tokens") + 1] == K + 1
+    assert trtllm["speculative_config"]["decoding_type"] == "Eagle3"

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,7 +75,7 @@ def test_failed_stage_then_resume_continues(smoke_run):
     out, failed, resumed, best_mtimes = smoke_run
     assert failed.returncode == 2
     assert "batch size 64" in failed.stderr and "Traceback" not in failed.stderr
-    assert len(best_mtimes) == 2, "data and distill finished before the eval stage failed"
+    assert len(best_mtimes) == 3, "data and distill finished before the eval stage failed"
     assert "cached" in resumed.stdout or "cached" in resumed.stderr, "teacher data was reused"
     for path, mtime in best_mtimes.items():
         assert path.stat().st_mtime == mtime, f"{path} was retrained on resume"
@@ -89,7 +90,7 @@ def test_run_layout(smoke_run):
         assert (out / rel).is_file(), rel
     done = sorted(p.parent.name.rsplit("-", 1)[0] for p in (out / "data").glob("*/.complete"))
     assert done == ["teacher", "teacher-eval"], done
-    for name in ("fkl", "tv-cache"):
+    for name in ("fkl", "tv-cache", "eagle3"):
         assert (out / "candidates" / name / "best" / "model.safetensors").is_file()
         assert (out / "candidates" / name / "metrics.jsonl").is_file()
         assert list((out / "candidates" / name / "wandb").glob("offline-run-*")), "an offline W&B run was written"
@@ -100,7 +101,10 @@ def test_report_keys_and_ranges(smoke_run):
     report = json.loads((smoke_run[0] / "eval" / "report.json").read_text())
     assert report["target"] == "random:tiny-llama" and len(report["target_fingerprint"]) == 16
     assert report["prompts"]["count"] == 4
-    assert {c["name"] for c in report["candidates"]} == {"fkl", "tv-cache"}
+    assert {(c["name"], c["kind"]) for c in report["candidates"]} == {
+        ("fkl", "standalone"), ("tv-cache", "standalone"), ("eagle3", "eagle3")
+    }  # both kinds in one sweep and one report
+    assert "| eagle3 | eagle3 |" in (smoke_run[0] / "eval" / "report.md").read_text()  # the kind column
     for cand in report["candidates"]:
         assert 0 <= cand["expected_acceptance"] <= 1
         # T=0 runs only the greedy rule (identical to sample there): 2 gammas x (T0 greedy, T1 greedy, T1 sample)
@@ -147,6 +151,13 @@ def test_serving_config_and_export(smoke_run):
     exported = out / "export" / report["recommendation"]["name"]
     assert (exported / "README.md").is_file() and (exported / "model.safetensors").is_file()
     assert not list(exported.glob("optimizer*")), "the export is the draft alone"
+    if serving["speculative"]["enabled"]:
+        assert serving["speculative"]["kind"] == report["recommendation"]["kind"]
+    if report["recommendation"]["kind"] == "eagle3":  # the head's files are its export
+        assert load_file(exported / "model.safetensors").keys() == load_file(
+            Path(report["recommendation"]["draft"]) / "model.safetensors"
+        ).keys()
+        return
     draft = AutoModelForCausalLM.from_pretrained(exported)
     source = AutoModelForCausalLM.from_pretrained(report["recommendation"]["draft"])
     ids = torch.tensor([[1, 2, 3]])
@@ -276,7 +287,7 @@ def test_data_and_distill_on_two_processes_with_the_shipped_launcher_file(env, t
         rows = {split: sorted(map(tuple, load_teacher_data(root / path.name)["input_ids"]))
                 for split, root in (("one", smoke_run[0] / "data"), ("two", out / "data"))}
         assert rows["two"] == rows["one"], path.name
-    for cand in ("fkl", "tv-cache"):
+    for cand in ("fkl", "tv-cache", "eagle3"):
         last = sorted((out / "candidates" / cand / "checkpoints").glob("step-*"))[-1]
         assert json.loads((last / "trainer_state.json").read_text())["world_size"] == 2
         assert (out / "candidates" / cand / "best" / "model.safetensors").is_file()

@@ -115,3 +115,19 @@ def test_confirmation_must_measure_the_chosen_setting():
     del no_conf["confirmation"]
     with pytest.raises(ValueError, match="no confirmation"):
         recommend(no_conf, SERVING)
+
+
+def test_choose_skips_a_setting_the_acceptance_gate_would_refuse():
+    """The setting with the best interval has alpha below serving.min_acceptance: choosing it would confirm a
+    setting that is sure to be refused and hide `lucky`'s gamma 3, which passes both gates."""
+    rep = report([])
+    steady = rep["candidates"][1]["settings"][0]
+    steady["acceptance_rate"] = 0.3
+    cand, best = choose(rep, 0.0, "greedy", min_acceptance=0.5)
+    assert (cand["name"], best["num_draft_tokens"]) == ("lucky", 3)
+    assert choose(rep, 0.0, "greedy")[0]["name"] == "steady"  # no gate: the interval alone decides
+    # nothing reaches the gate: still a choice, so the refusal can name the acceptance gate
+    for c in rep["candidates"]:
+        for s in c["settings"]:
+            s["acceptance_rate"] = 0.1
+    assert choose(rep, 0.0, "greedy", min_acceptance=0.5)[0]["name"] == "steady"

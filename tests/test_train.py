@@ -149,16 +149,21 @@ def test_on_policy_rows_keep_the_prompt_and_stop_at_eos(tiny):
     rows = [{"input_ids": [10, 11, 12, 13, 14], "prompt_len": 3}, {"input_ids": [20, 21, 22, 23], "prompt_len": 2}]
     torch.manual_seed(0)
     eos = tokenizer.eos_token_id
-    out = on_policy_rows(
-        model, rows, eos_id=eos, pad_id=tokenizer.pad_token_id, data=DataConfig(max_new_tokens=5), max_seq_len=64
-    )
+    data = DataConfig(max_new_tokens=5)
+    out = on_policy_rows(model, rows, stop_ids=[eos], pad_id=tokenizer.pad_token_id, data=data, max_seq_len=64)
     assert [r["prompt_len"] for r in out] == [3, 2]
     assert out[0]["input_ids"][:3] == [10, 11, 12] and out[1]["input_ids"][:2] == [20, 21]
     for r in out:
         response = r["input_ids"][r["prompt_len"] :]
         assert 1 <= len(response) <= 5 and eos not in response[:-1]
+    # Every stop id ends an answer, not only the tokenizer's EOS (chat models list end-of-turn ids elsewhere): make
+    # the first sampled token of row 0 a stop id and the same draw ends there.
+    first = out[0]["input_ids"][3]
+    torch.manual_seed(0)
+    again = on_policy_rows(model, rows, stop_ids=[eos, first], pad_id=tokenizer.pad_token_id, data=data, max_seq_len=64)
+    assert again[0]["input_ids"][3:] == [first]
     # no room left under max_seq_len: the rows are kept as they are
-    assert on_policy_rows(model, rows, eos_id=eos, pad_id=0, data=DataConfig(), max_seq_len=3) is rows
+    assert on_policy_rows(model, rows, stop_ids=[eos], pad_id=0, data=DataConfig(), max_seq_len=3) is rows
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ def test_on_policy_generation_with_a_sharded_student_keeps_processes_in_step(tmp
         prompts = [[5, 6, 7], [8, 9]] if rank == 0 else [list(range(10, 39))]
         rows = [{{"input_ids": p, "prompt_len": len(p)}} for p in prompts]
         torch.manual_seed(rank)  # other samples, so answers end at other steps
-        out = on_policy_rows(student, rows, eos_id=3, pad_id=0, data=DataConfig(max_new_tokens=20, temperature=1.0),
+        out = on_policy_rows(student, rows, stop_ids=[3], pad_id=0, data=DataConfig(max_new_tokens=20, temperature=1.0),
                              max_seq_len=32, synced=True)
         assert [r["input_ids"][: r["prompt_len"]] for r in out] == prompts
         new = [len(r["input_ids"]) - r["prompt_len"] for r in out]

@@ -65,7 +65,7 @@ from distill.students import (
     student_hidden,
 )
 from specdec_runtime.atomic import write_text
-from specdec_runtime.loading import LORA_BASE, check_vocab_compatible, load_model
+from specdec_runtime.loading import LORA_BASE, check_vocab_compatible, load_model, stop_token_ids
 from train import checkpoint, distributed
 from train.config import CandidateRun as CandidateRun  # the recipe's input, named where it is used
 from train.tracking import make_tracker
@@ -240,8 +240,10 @@ class DistillRecipe:
             micro_batch_indices, rank=self.rank, world=self.world, batch_size=tc.batch_size, grad_accum=tc.grad_accum
         )
         synced = self.fsdp and self.world > 1  # a sharded student's forwards are collectives: generate in step
+        # Student answers end where the teacher's do: the tokenizer's EOS and the generation config's end-of-turn ids.
+        stop_ids = list(stop_token_ids(self.teacher if self.teacher is not None else self.student, tokenizer))
         self.on_policy = dict(
-            eos_id=self.eos_id, pad_id=self.pad_id, data=self.run.data, max_seq_len=tc.max_seq_len, synced=synced
+            stop_ids=stop_ids, pad_id=self.pad_id, data=self.run.data, max_seq_len=tc.max_seq_len, synced=synced
         )
         self.objective = dict(
             objective=dc.objective, kd_temperature=dc.kd_temperature, beta=dc.beta, chunk_size=dc.chunk_size
