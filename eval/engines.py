@@ -28,7 +28,7 @@ def engine_snippets(
 
     max_concurrency: the largest batch size at which the eval confirmed a speedup, when a larger one was measured
     and failed; vLLM then drafts nothing above it (SGLang and TensorRT-LLM have no such knob: serving.yaml records
-    the limit in `speculative.max_concurrency`).
+    the limit in `speculative.concurrency_limit`).
     """
     if kind not in METHODS:
         raise ValueError(f"kind must be one of {', '.join(METHODS)}, got {kind!r}")

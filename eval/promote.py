@@ -28,7 +28,12 @@ from eval.export import export_draft
 from specdec_runtime import atomic
 
 OWNED_KEYS = ("target", "speculative", "engines", "history")
-HEADER = "# Serving config written by `specdistill promote`; unknown keys are kept across promotions.\n"
+HEADER = (
+    "# Serving config written by `specdistill promote`; unknown keys are kept across promotions.\n"
+    "# speculative.max_concurrency_measured is a measurement, not a cap: the largest measured batch size (and every\n"
+    "# smaller one measured) whose confirmed speedup cleared the margin. speculative.concurrency_limit is the cap\n"
+    "# (speculation off above it), set only when a larger measured batch size failed; null: no limit was measured.\n"
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -148,6 +153,8 @@ MEASURED_KEYS = (
     "max_concurrency",
     "measured_concurrency",
 )
+RENAMED = {"max_concurrency": "max_concurrency_measured"}
+"""The recommendation's keys as serving.yaml names them (a measured value must not read like an engine cap)."""
 
 
 def concurrency_cap(rec: dict) -> int | None:
@@ -167,7 +174,8 @@ def build_serving(old: dict, report: dict, report_path: Path, draft: str | None,
     """The new serving config: `old` with target, speculative and engines replaced and one history entry added.
     `measured` holds the confirmation split's numbers (the ones the decision was made on), with their interval."""
     rec = report["recommendation"]
-    measured = copy.deepcopy({k: rec["confirmation"].get(k) for k in MEASURED_KEYS})  # no list shared with rec
+    # a deep copy: no list shared with rec
+    measured = copy.deepcopy({RENAMED.get(k, k): rec["confirmation"].get(k) for k in MEASURED_KEYS})
     measured["eval_report"] = str(Path(report_path).resolve())
     if rec["enabled"]:
         speculative = {
@@ -177,7 +185,8 @@ def build_serving(old: dict, report: dict, report_path: Path, draft: str | None,
             "num_draft_tokens": rec["num_draft_tokens"],
             "draft_rule": rec["draft_rule"],
             "temperature": rec.get("temperature"),
-            "max_concurrency": measured["max_concurrency"],
+            "max_concurrency_measured": measured["max_concurrency_measured"],
+            "concurrency_limit": concurrency_cap(rec),
             "measured": measured,
             "reason": rec["reason"],
         }

@@ -18,7 +18,8 @@ from eval.config import ServingConfig
 MEASURED_KEYS = ("acceptance_rate", "mean_accepted_length", "speedup", "speedup_ci")
 
 
-def _lower(setting: dict) -> tuple[float, float]:
+def surest_speedup(setting: dict) -> tuple[float, float]:
+    """The key settings are ranked by: the lower end of the speedup interval, then the median (missing: lowest)."""
     ci = setting.get("speedup_ci")
     return (ci[0] if ci else float("-inf"), setting.get("speedup") or float("-inf"))
 
@@ -41,7 +42,7 @@ def choose(report: dict, temperature: float, draft_rule: str, min_acceptance: fl
         )
     # A fast-looking setting the acceptance gate would refuse must not hide one that passes both gates.
     accepted = [cs for cs in options if (cs[1].get("acceptance_rate") or 0.0) >= min_acceptance]
-    return max(accepted or options, key=lambda cs: _lower(cs[1]))
+    return max(accepted or options, key=lambda cs: surest_speedup(cs[1]))
 
 
 def max_concurrency(rows: list[dict], threshold: float) -> int | None:

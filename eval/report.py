@@ -28,6 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from eval.recommend import surest_speedup
 from specdec_runtime import atomic
 
 SETTING_COLUMNS = [
@@ -48,6 +49,8 @@ SETTING_COLUMNS = [
     "tokens_per_s",
     "ttft_s",
     "tpot_s",
+    "peak_memory_bytes",
+    "target peak_memory_bytes",
 ]
 TREE_COLUMNS = [
     "candidate",
@@ -58,9 +61,11 @@ TREE_COLUMNS = [
     "nodes_per_step",
     "speedup",
     "speedup_ci",
+    "peak_memory_bytes",
     "speedup vs best chain",
 ]
 TRACKER_COLUMNS = [*SETTING_COLUMNS, "tree", "nodes_per_step"]
+TARGET_PREFIX = "target "  # a column "target X" shows the row's target_only[X] (the paired target-only arm)
 TARGET_ONLY_COLUMNS = ["temperature", "tokens_per_s", "ttft_s", "tpot_s", "decode_s", "calls", "peak_memory_bytes"]
 CONFIRMATION_COLUMNS = [
     "batch_size",
@@ -74,6 +79,8 @@ CONFIRMATION_COLUMNS = [
     "tpot_s",
     "target ttft_s",
     "target tpot_s",
+    "peak_memory_bytes",
+    "target peak_memory_bytes",
     "units",
 ]
 # what train/loop.py writes to metrics.jsonl: train rows, and validation rows under eval/
@@ -145,9 +152,10 @@ def _tree_groups(report: dict) -> list[tuple[float, str]]:
 
 
 def best_chain(candidate: dict, temperature: float, draft_rule: str) -> dict | None:
-    """The candidate's chain setting with the highest measured speedup at (temperature, draft_rule)."""
+    """The candidate's chain setting at (temperature, draft_rule) that is most surely fast: the highest lower end of
+    its speedup interval, then the highest median (`eval.recommend.surest_speedup`, the ranking `choose` uses)."""
     rows = [s for s in _settings(candidate, temperature, draft_rule) if s.get("speedup") is not None]
-    return max(rows, key=lambda s: s["speedup"], default=None)
+    return max(rows, key=surest_speedup, default=None)
 
 
 def _speedup_vs_best_chain(candidate: dict, tree_setting: dict) -> float | None:
@@ -459,13 +467,20 @@ def _fmt(value, column: str = "") -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if column == "peak_memory_bytes":
+    if column.endswith("peak_memory_bytes"):
         return f"{value / 2**20:.1f} MiB"
     if isinstance(value, (list, tuple)) and len(value) == 2 and column.endswith("_ci"):
         return f"[{value[0]:.3g}, {value[1]:.3g}]"
     if isinstance(value, float):
         return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     return str(value)
+
+
+def _value(row: dict, column: str):
+    """A table cell's raw value: row[column], or for "target X" the paired target-only arm's X."""
+    if column.startswith(TARGET_PREFIX):
+        return (row.get("target_only") or {}).get(column.removeprefix(TARGET_PREFIX))
+    return row.get(column)
 
 
 def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -484,7 +499,7 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     cand_rows = []
     for c in report["candidates"]:
         chains = [s for s in c["settings"] if _is_chain(s) and s.get("speedup") is not None]
-        best = max(chains, key=lambda s: s["speedup"], default={})
+        best = max(chains, key=surest_speedup, default={})
         cand_rows.append(
             [
                 c["name"],
@@ -501,7 +516,8 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     for c in report["candidates"]:
         for temperature, rule in _groups(report):
             rows += [
-                [c["name"]] + [_fmt(s.get(k), k) for k in SETTING_COLUMNS[1:]] for s in _settings(c, temperature, rule)
+                [c["name"]] + [_fmt(_value(s, k), k) for k in SETTING_COLUMNS[1:]]
+                for s in _settings(c, temperature, rule)
             ]
     out.append(
         (
@@ -560,9 +576,7 @@ def tree_rows(report: dict) -> list[list[str]]:
 def confirmation_rows(conf: dict) -> list[list[str]]:
     rows = []
     for r in sorted(conf["by_batch_size"], key=lambda r: r["batch_size"]):
-        base = r.get("target_only") or {}
-        values = {**r, "target ttft_s": base.get("ttft_s"), "target tpot_s": base.get("tpot_s")}
-        rows.append([_fmt(values.get(k), k) for k in CONFIRMATION_COLUMNS])
+        rows.append([_fmt(_value(r, k), k) for k in CONFIRMATION_COLUMNS])
     return rows
 
 
@@ -579,13 +593,14 @@ def recommendation_text(report: dict) -> str:
     if not rec.get("enabled"):
         return f"Speculative decoding is not recommended: {rec.get('reason', 'no reason given')}."
     m = rec.get("confirmation") or {}
-    limit = m.get("max_concurrency")
+    limit, measured = m.get("max_concurrency"), m.get("measured_concurrency") or []
+    beyond = f", worth it up to batch size {limit} of the measured {measured}" if limit and len(measured) > 1 else ""
     return (
         f"Recommended draft: {rec['name']} ({rec['draft']}) with num_draft_tokens={rec['num_draft_tokens']}, "
         f"draft_rule={rec['draft_rule']}, temperature={rec['temperature']:g}: on the confirmation split speedup "
         f"{_fmt(m.get('speedup'))}x (95% CI {_fmt(m.get('speedup_ci'), 'speedup_ci')}), acceptance_rate "
         f"{_fmt(m.get('acceptance_rate'))}, mean_accepted_length {_fmt(m.get('mean_accepted_length'))}"
-        + (f", worth it up to batch size {limit}" if limit is not None else "")
+        + beyond
         + f". Reason: {rec.get('reason', '-')}."
     )
 
@@ -692,6 +707,8 @@ def write_reports(report: dict, out_dir: Path, *, tracker=None) -> dict[str, Pat
 def log_to_tracker(report: dict, out_dir: Path, tracker) -> None:
     """The settings table (one row per candidate x setting, chains and trees, raw values) and the report folder as
     an artifact."""
-    rows = [[c["name"]] + [s.get(k) for k in TRACKER_COLUMNS[1:]] for c in report["candidates"] for s in c["settings"]]
+    rows = [
+        [c["name"]] + [_value(s, k) for k in TRACKER_COLUMNS[1:]] for c in report["candidates"] for s in c["settings"]
+    ]
     tracker.log_table("eval/settings", TRACKER_COLUMNS, rows)
     tracker.log_artifact(out_dir, "eval-report", "eval-report")

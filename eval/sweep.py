@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,7 +36,7 @@ from tqdm.auto import tqdm
 
 from eval.config import EvalConfig, ServingConfig
 from eval.recommend import choose
-from specdec_runtime.ab import PeakMemory, paired_metrics, paired_runs, pooled
+from specdec_runtime.ab import ArmPeaks, capture_graphs, paired_metrics, paired_runs, pooled
 from specdec_runtime.bench import backend_name, fast_model, full_units, longest_unit
 from specdec_runtime.eagle3 import Eagle3Draft, first_step_logits, is_eagle3_folder
 from specdec_runtime.engine import SamplingParams, generate
@@ -189,9 +190,10 @@ class Bench:
 
 def measure(bench: Bench, draft, prompts: list[EvalPrompt], setting: Setting, outputs: dict | None = None) -> dict:
     """Paired, repeated A/B of one setting on `prompts` -> {"prompts", "runs": {arm: per unit, per repeat stats},
-    "peak"}. Warm-up: `bench.warmup` untimed calls per arm on the unit with the longest prompt, speculative first
-    (it sizes the target's static cache, which target-only reuses). `outputs` collects the target-only tokens per
-    prompt id (for the offline acceptance estimate)."""
+    "peak": {arm: peak memory bytes over its timed calls}}. Warm-up: `bench.warmup` untimed calls per arm on the unit
+    with the longest prompt, speculative first (it sizes the target's static cache, which target-only reuses), then
+    every CUDA graph a shrinking batch can replay (`ab.capture_graphs`). `outputs` collects the target-only tokens
+    per prompt id (for the offline acceptance estimate)."""
     units = full_units(prompts, setting.batch_size)
     kwargs = dict(
         num_draft_tokens=setting.num_draft_tokens,
@@ -212,13 +214,16 @@ def measure(bench: Bench, draft, prompts: list[EvalPrompt], setting: Setting, ou
             outputs.update({p.id: tokens for p, tokens in zip(units[unit], result.tokens)})
         return result.stats
 
-    with PeakMemory(bench.target.device) as peak:
-        warm = longest_unit([[p.ids for p in unit] for unit in units])
-        for arm in ("speculative", "target_only"):
-            for _ in range(bench.warmup):
-                run(warm, arm, 0)
-        runs = paired_runs(run, units=len(units), arms=("target_only", "speculative"), repeats=bench.repeats)
-    return {"prompts": [p for unit in units for p in unit], "runs": runs, "peak": peak.bytes}
+    warm = longest_unit([[p.ids for p in unit] for unit in units])
+    for arm in ("speculative", "target_only"):
+        for _ in range(bench.warmup):
+            run(warm, arm, 0)
+    capture_graphs(
+        bench.target, draft, batch_size=setting.batch_size, gamma=setting.num_draft_tokens, tree=setting.tree
+    )
+    peaks = ArmPeaks(run, bench.target.device)  # each arm's own peak over its timed calls
+    runs = paired_runs(peaks, units=len(units), arms=("target_only", "speculative"), repeats=bench.repeats)
+    return {"prompts": [p for unit in units for p in unit], "runs": runs, "peak": peaks.bytes}
 
 
 def offline_acceptance(
@@ -402,7 +407,7 @@ def confirm(
     for i, b in enumerate(sorted(cfg.batch_sizes)):
         runs = {arm: [u for part in parts for u in part[i]["runs"][arm]] for arm in ("target_only", "speculative")}
         row = {"batch_size": b, **_paired(runs, best["num_draft_tokens"])}
-        row["peak_memory_bytes"] = max(part[i]["peak"] for part in parts)
+        _add_peaks(row, [part[i] for part in parts])
         by_batch.append(row)
     return {
         "name": cand_report["name"],
@@ -435,23 +440,43 @@ def _paired(runs: dict, gamma: int) -> dict:
     }
 
 
-def _group(requests: list, keys: list[str], repeats: int) -> dict[str, dict]:
+def _add_peaks(row: dict, measured: list[dict]) -> None:
+    """Each arm's peak memory, the maximum over ranks: the speculative arm's as `peak_memory_bytes`, target-only's
+    as `target_only.peak_memory_bytes`."""
+    row["peak_memory_bytes"] = max(m["peak"].get("speculative", 0) for m in measured)
+    row["target_only"]["peak_memory_bytes"] = max(m["peak"].get("target_only", 0) for m in measured)
+
+
+def group_requests(requests: list, keys: list[str], prompt_ids: list[str]) -> dict[str, dict]:
+    """Acceptance per group: requests (every repeat of every prompt) under keys, one per request -> {key: stats};
+    `count` is the number of distinct prompts in the group (not prompts x repeats)."""
     groups: dict[str, list] = {}
-    for key, req in zip(keys, requests, strict=True):
-        groups.setdefault(key, []).append(req)
+    for key, req, pid in zip(keys, requests, prompt_ids, strict=True):
+        groups.setdefault(key, []).append((req, pid))
     out = {}
-    for key, reqs in sorted(groups.items()):
+    for key, members in sorted(groups.items()):
+        reqs = [req for req, _ in members]
         agg = GenerationStats(requests=reqs, wall_s=0.0, target_forwards=0, draft_forwards=0).aggregate()
         out[key] = {
             "acceptance_rate": agg["acceptance_rate"],
             "mean_accepted_length": agg["mean_accepted_length"],
-            "count": len(reqs) // repeats,  # prompts, not prompts x repeats
+            "count": len({pid for _, pid in members}),
         }
     return out
 
 
 def length_bucket(n: int, max_new_tokens: int) -> str:
     return LENGTH_BUCKETS[min(2, 3 * n // max(max_new_tokens, 1))]
+
+
+def length_keys(requests: list, prompt_ids: list[str], max_new_tokens: int) -> list[str]:
+    """Each request's output-length bucket, from its prompt's median output length over the repeats (the lower
+    median): at T > 0 a prompt's repeats differ in length, and every repeat of one prompt must count in one bucket."""
+    lengths: dict[str, list[int]] = {}
+    for req, pid in zip(requests, prompt_ids, strict=True):
+        lengths.setdefault(pid, []).append(req.new_tokens)
+    bucket = {pid: length_bucket(statistics.median_low(ns), max_new_tokens) for pid, ns in lengths.items()}
+    return [bucket[pid] for pid in prompt_ids]
 
 
 def _setting(point: Setting, rows: list[dict], offline: float, cfg: EvalConfig) -> dict:
@@ -463,23 +488,23 @@ def _setting(point: Setting, rows: list[dict], offline: float, cfg: EvalConfig) 
     # pooled requests run unit by unit, each unit's repeats in turn: the prompt keys in the same order
     units = [prompts[i : i + point.batch_size] for i in range(0, len(prompts), point.batch_size)]
     order = [p for unit in units for _ in range(cfg.repeats) for p in unit]
+    ids = [p.id for p in order]
+    paired = _paired(runs, point.num_draft_tokens)
+    _add_peaks(paired, rows)
     return {
         "num_draft_tokens": point.num_draft_tokens,
         "temperature": point.temperature,
         "draft_rule": point.draft_rule,
         "tree": point.tree,
         "batch_size": point.batch_size,
-        **_paired(runs, point.num_draft_tokens),
+        **paired,
         "expected_acceptance": offline,
         "wall_s": once["wall_s"],
         "new_tokens": once["new_tokens"],
         "target_forwards": once["target_forwards"],
         "draft_forwards": once["draft_forwards"],
-        "peak_memory_bytes": max(row["peak"] for row in rows),
-        "by_category": _group(spec.requests, [p.category for p in order], cfg.repeats),
-        "by_length": _group(
-            spec.requests, [length_bucket(r.new_tokens, cfg.max_new_tokens) for r in spec.requests], cfg.repeats
-        ),
+        "by_category": group_requests(spec.requests, [p.category for p in order], ids),
+        "by_length": group_requests(spec.requests, length_keys(spec.requests, ids, cfg.max_new_tokens), ids),
     }
 
 
@@ -498,7 +523,7 @@ def _target_only(parts: list[dict], temperature: float) -> dict:
         "temperature": temperature,
         **{k: agg[k] for k in ("tokens_per_s", "ttft_s", "tpot_s", "decode_s")},
         "calls": len(calls),
-        "peak_memory_bytes": max(row["peak"] for row in rows),
+        "peak_memory_bytes": max(row["peak"].get("target_only", 0) for row in rows),  # the target-only arm's
     }
 
 

@@ -21,7 +21,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .llama import Llama
 from .metrics import GenerationStats, analytic_speedup, cost_ratios, merge_stats
+from .tree import DynamicTreeShape, Tree, parse_tree, tree_size
 
 Runs = list[list]
 """Per unit, per repeat: what one timed call returned (`GenerationStats` for our engine)."""
@@ -64,6 +66,62 @@ def pooled(runs: Runs) -> GenerationStats:
 def first_repeat(runs: Runs) -> GenerationStats:
     """One call per unit: the requests of each prompt once (per-category and per-length tables count prompts)."""
     return merge_stats([unit[0] for unit in runs])
+
+
+class ArmPeaks:
+    """`run` of `paired_runs`, with the peak memory of each arm over its timed calls (`PeakMemory` around every
+    call): `bytes[arm]`, so target-only and speculative decoding each get their own peak.
+
+        peaks = ArmPeaks(run, device)
+        runs = paired_runs(peaks, units=..., arms=..., repeats=...)
+        peaks.bytes  # {"target_only": ..., "speculative": ...}
+
+    Both arms run in one process, so each peak includes whatever stays resident there (both models' weights,
+    static caches and CUDA graph pools); the difference is what the arm itself allocates while it runs.
+    """
+
+    def __init__(self, run: Callable[[int, str, int], object], device: torch.device | str):
+        self.run, self.device = run, torch.device(device)
+        self.bytes: dict[str, int] = {}
+
+    def __call__(self, unit: int, arm: str, repeat: int):
+        with PeakMemory(self.device) as peak:
+            out = self.run(unit, arm, repeat)
+        self.bytes[arm] = max(self.bytes.get(arm, 0), peak.bytes)
+        return out
+
+
+# ------------------------------------------------------------------------------------------- warm-up: CUDA graphs
+
+
+def graph_widths(gamma: int, tree: str | Tree | DynamicTreeShape | None = None) -> tuple[set[int], set[int]]:
+    """Tokens per forward of every fixed-shape step a speculative arm (a chain of gamma, or `tree`) and the
+    target-only arm can run -> (target widths, draft widths), the widths `Llama.step` keys its CUDA graphs by.
+
+    Both models: 1 and 2 (a target-only step is 1 wide; the draft feeds 1 pending token, or 2 after a step that
+    accepted every draft; a prompt of at most 2 tokens prefills through the same step). The target verifies gamma + 1
+    tokens for a chain, nodes + 1 for a tree; the draft forwards every static tree level but the deepest, and top_k
+    nodes per dynamic level but the deepest.
+    """
+    target, draft = {1, 2}, {1, 2}
+    if tree is None:
+        return target | {gamma + 1}, draft
+    shape = parse_tree(tree) if isinstance(tree, str) else tree
+    target.add(tree_size(shape)[1] + 1)
+    if isinstance(shape, DynamicTreeShape):
+        return target, draft | ({shape.top_k} if shape.depth > 1 else set())
+    return target, draft | set(shape.level_sizes[:-1])
+
+
+def capture_graphs(target, draft, *, batch_size: int, gamma: int, tree: str | Tree | DynamicTreeShape | None = None):
+    """After the warm-up calls (which set up the static caches): capture every CUDA graph a timed call of up to
+    batch_size rows can replay, for every width of `graph_widths` and every power-of-two row count a shrinking
+    batch passes through, so no timed call captures one. Any width the warm-up already captured is filled in too.
+    Only compact models on CUDA have graphs; anything else (the CPU, HF models, an EAGLE-3 head) is left as is."""
+    target_widths, draft_widths = graph_widths(gamma, tree)
+    for model, widths in ((target, target_widths), (draft, draft_widths)):
+        if isinstance(model, Llama):
+            model.capture_graphs(widths | set(model.graphs), batch_size)
 
 
 # ---------------------------------------------------------------------------------------------- per-token speed

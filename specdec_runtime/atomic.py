@@ -34,12 +34,22 @@ def _fsync_tree(folder: Path) -> None:
         fsync_dir(Path(root))
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_bytes(path: Path, data: bytes) -> Path:
-    """Write `data` to `path` atomically (temp file, fsync, os.replace, fsync the folder)."""
+    """Write `data` to `path` atomically (temp file, fsync, os.replace, fsync the folder). The file gets the mode of
+    the file it replaces, else what `open` would give it (0o666 minus the umask): mkstemp's 0o600 would make
+    serving.yaml or a report unreadable to a serving process running as another user."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -67,9 +77,27 @@ def fresh_tmp_dir(parent: Path, name: str) -> Path:
     return tmp
 
 
+def recover_dir(final: Path) -> Path | None:
+    """Put back the folder a crash left renamed aside: `replace_dir` renames the old `final` to
+    `.old-<name>-<stamp>` before it renames the new one in, and a crash between the two renames leaves no `final`.
+    Returns the recovered folder, or None when `final` exists or nothing was left aside."""
+    final = Path(final)
+    if final.exists() or not final.parent.is_dir():
+        return None
+    aside = sorted(final.parent.glob(f".old-{final.name}-*"))
+    if not aside:
+        return None
+    aside[-1].rename(final)  # the newest: stamps sort in time order
+    fsync_dir(final.parent)
+    return final
+
+
 def replace_dir(tmp: Path, final: Path) -> Path:
     """Move the finished folder `tmp` to `final` (same parent). Its files are fsynced first; an existing `final`
-    is renamed aside and deleted only once `tmp` is in place, so a crash leaves the old or the new folder."""
+    is renamed aside and deleted only once `tmp` is in place. Linux has no atomic swap of two folders, so a crash
+    between the two renames leaves the old folder aside as `.old-<name>-<stamp>`, never deleted: `recover_dir`
+    (called here and by checkpoint pruning) puts it back."""
+    recover_dir(final)
     _fsync_tree(tmp)
     if final.exists():
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
@@ -106,6 +134,7 @@ def staged_cache_dir(final: Path) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-"))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0o700 would hide a shared cache from other users
     try:
         yield tmp
         _fsync_tree(tmp)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
-from .ab import decode_s_per_token, paired_metrics, paired_runs, paired_speedup, pooled
+from .ab import capture_graphs, decode_s_per_token, paired_metrics, paired_runs, paired_speedup, pooled
 from .cpu import CPU_BACKEND, cpu_model, draft_dtype
 from .eagle3 import Eagle3Draft
 from .engine import generate
@@ -221,6 +221,8 @@ def run_bench(
             for arm in [a for a in arms if a != "target_only"] + ["target_only"]:
                 for _ in range(warmup):  # compile kernels, capture CUDA graphs, fill allocator caches
                     run(longest_unit(units), arm, 0)
+            for shape in [None, *([tree] if tree is not None else [])]:  # every graph a shrinking batch replays
+                capture_graphs(fast_target, fast_draft, batch_size=batch_size, gamma=num_draft_tokens, tree=shape)
             runs = paired_runs(run, units=len(units), arms=arms, repeats=repeats)
     finally:
         hook.handle.remove()

@@ -7,6 +7,7 @@ On CUDA the fixed-shape decode and verify steps replay as CUDA graphs; prefill r
 first rows of the cache (finished rows leave it), and a graph per power-of-two row count serves every batch up to it.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,16 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def graph_rows(batch: int, cache_rows: int) -> int:
+    """Rows of the CUDA graph that serves a batch of `batch` rows: the next power of two, at most the cache's rows."""
+    return min(1 << (batch - 1).bit_length(), cache_rows)
+
+
+def graph_keys(widths: Iterable[int], max_rows: int, cache_rows: int) -> set[tuple[int, int]]:
+    """(width, rows) of every graph `Llama.step` can replay for batches of 1..max_rows rows at these widths."""
+    return {(T, graph_rows(b, cache_rows)) for T in widths for b in range(1, max_rows + 1)}
+
+
 class Llama(nn.Module):
     """Llama decoder whose forward takes explicit rope positions, cache write slots and a (B, 1, T, S) mask."""
 
@@ -214,7 +225,7 @@ class Llama(nn.Module):
         (B, T), S = tokens.shape, self.cache_shape[1]
         # One graph per power-of-two row count (as serving engines bucket batch sizes): a shrinking batch replays
         # the smallest graph that fits instead of capturing a new one per size; the rows past B are padding.
-        rows = min(1 << (B - 1).bit_length(), self.cache_shape[0])
+        rows = graph_rows(B, self.cache_shape[0])
         by_rows = self.graphs.setdefault(T, {})
         if rows not in by_rows:
             by_rows[rows] = self._capture(rows, T)
@@ -223,6 +234,17 @@ class Llama(nn.Module):
         slots_in[B:], mask_in[B:] = S - 1, True  # padding rows write only the trash slot; their logits are dropped
         graph.replay()
         return logits[:B]
+
+    def capture_graphs(self, widths: Iterable[int], max_rows: int) -> None:
+        """Capture now every graph `step` can replay for these widths (tokens per forward) at 1..max_rows rows
+        (`graph_keys`), so that none is captured inside a timed run; call it after the cache is set up (a warm-up
+        generate call). A no-op off CUDA or without graphs."""
+        if self.device.type != "cuda" or not self.use_graphs or self.cache_shape is None:
+            return
+        for T, rows in sorted(graph_keys(widths, max_rows, self.cache_shape[0])):
+            by_rows = self.graphs.setdefault(T, {})
+            if rows not in by_rows:
+                by_rows[rows] = self._capture(rows, T)
 
     def _capture(self, rows: int, T: int) -> tuple:
         S, dev = self.cache_shape[1], self.device

@@ -223,8 +223,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     result.update(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(prompts))
     print(format_bench_table(result))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        from specdec_runtime.atomic import write_text
+
+        write_text(Path(args.json), json.dumps(result, indent=2))
 
 
 def _stage_config(args: argparse.Namespace):

@@ -150,11 +150,13 @@ def run_distill(cfg: RootConfig, teacher_data, *, target=None) -> dict[str, Path
 
     A candidate whose folder already holds best/ and a DONE marker for the same training settings is skipped.
     `target`: the loaded (model, tokenizer, identity) of cfg.target, the teacher of every candidate that keeps
-    cfg.target (so `run` holds one target, not two); the others load their own.
+    cfg.target (so `run` holds one target, not two); the others load their own, and so does a candidate that shards
+    its teacher (free yours before: `run` does, see `shards_a_teacher`).
     """
     from accelerate import PartialState
 
     from train.checkpoint import is_done
+    from train.loop import shards_teacher
 
     best = {}
     for name in candidate_names(cfg):
@@ -163,10 +165,35 @@ def run_distill(cfg: RootConfig, teacher_data, *, target=None) -> dict[str, Path
         if is_done(cand, training_fingerprint(resolved)):
             PartialState().print(f"{name}: already distilled with these settings ({cand / 'best'}); skipping")
         else:
-            teacher, tokenizer, _ = target if target and resolved.target == cfg.target else (None, None, None)
+            keeps = target and resolved.target == cfg.target and not shards_teacher(candidate_run(resolved, name))
+            teacher, tokenizer, _ = target if keeps else (None, None, None)
             distill_candidate(resolved, name, teacher_data, teacher=teacher, tokenizer=tokenizer)
         best[name] = cand / "best"
     return best
+
+
+def shards_a_teacher(cfg: RootConfig) -> bool:
+    """Whether a candidate still to distill shards its teacher in this launch: it loads the target on the CPU, one
+    shard per process, and a full target held next to it would be a second copy on every process."""
+    from train.checkpoint import is_done
+    from train.loop import shards_teacher
+
+    for name in candidate_names(cfg):
+        run = candidate_run(cfg, name)
+        if shards_teacher(run) and not is_done(run.out_dir, run.fingerprint):
+            return True
+    return False
+
+
+def free_memory() -> None:
+    """Collect what was just dropped and hand the freed GPU memory back to the driver."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def distill_candidate(cfg: RootConfig, name: str, teacher_data, *, teacher=None, tokenizer=None) -> Path:
@@ -368,7 +395,11 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     print0(dist, f"[1/5] data -> {out / 'data'}")
     teacher_data = stage_data(cfg, dist, target)
     print0(dist, f"[2/5] distill {len(candidate_names(cfg))} candidate(s) -> {out / 'candidates'}")
+    if shards_a_teacher(cfg):  # freed while those candidates train, loaded again (memory-mapped) for eval
+        target = None
+        free_memory()
     stage_distill(cfg, dist, teacher_data, target)
+    target = target or load_target(cfg, dist)
     report_path = out / "eval" / "report.json"
     if eval_is_current(cfg, report_path):
         print0(dist, f"[3/5] eval: up to date ({report_path})")

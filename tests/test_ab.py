@@ -6,22 +6,27 @@ from __future__ import annotations
 import resource
 import statistics
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import perturbed, tiny_llama
 
 from specdec_runtime.ab import (
+    ArmPeaks,
     PeakMemory,
     abba_order,
     bootstrap_ci,
     cost_model,
     decode_s_per_token,
+    graph_widths,
     paired_metrics,
     paired_runs,
     paired_speedup,
 )
+from specdec_runtime.bench import run_bench
 from specdec_runtime.engine import generate
+from specdec_runtime.llama import Llama, graph_keys, graph_rows
 from specdec_runtime.metrics import GenerationStats, Phases, RequestStats
 
 
@@ -182,3 +187,84 @@ def test_peak_memory_is_per_block_on_cpu():
         time.sleep(0.05)
     assert big.bytes - small.bytes > 100 * 2**20
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 >= big.bytes - 2**20  # what ru_maxrss says
+
+
+def test_warm_up_captures_every_graph_a_timed_run_replays(monkeypatch):
+    """Every (width, rows) CUDA graph key a timed call of `bench` asks `Llama.step` for was captured by the warm-up's
+    `capture_graphs`: the draft's refeed width 2, a short unit's 2-token prefill, tree widths, and the row buckets a
+    shrinking batch passes through. Checked on the CPU by recording the keys (capture is a no-op there)."""
+    events: list[tuple] = []
+    step, capture = Llama.step, Llama.capture_graphs
+
+    def recording_step(self, tokens, *args):
+        events.append(("step", id(self), (tokens.shape[1], graph_rows(tokens.shape[0], self.cache_shape[0]))))
+        return step(self, tokens, *args)
+
+    def recording_capture(self, widths, max_rows):
+        events.append(("capture", id(self), graph_keys(widths, max_rows, self.cache_shape[0])))
+        return capture(self, widths, max_rows)
+
+    monkeypatch.setattr(Llama, "step", recording_step)
+    monkeypatch.setattr(Llama, "capture_graphs", recording_capture)
+    target = tiny_llama(seed=0)
+    draft = perturbed(target, 0.003, seed=1)  # accepts most drafts: full acceptance refeeds 2 tokens
+    prompts = [[5, 17, 3, 40, 22, 9], [11, 4, 8], [60, 2, 33], [7, 7, 7, 7], [11], [4, 9], [3], [8, 8]]
+    run_bench(
+        target,
+        draft,
+        SimpleNamespace(eos_token_id=None, pad_token_id=0),
+        prompts,
+        num_draft_tokens=3,
+        max_new_tokens=16,
+        temperature=1.0,
+        draft_rule="sample",
+        batch_size=4,
+        seed=0,
+        repeats=2,
+        tree="2,2",
+    )
+    last = max(i for i, e in enumerate(events) if e[0] == "capture")
+    planned: dict[int, set] = {}
+    for kind, model, keys in events[: last + 1]:
+        if kind == "capture":
+            planned.setdefault(model, set()).update(keys)
+    timed: dict[int, set] = {}
+    for _, model, key in events[last + 1 :]:
+        timed.setdefault(model, set()).add(key)
+    assert len(timed) == 2 and set(timed) <= set(planned)  # target and draft, both warmed
+    for model, keys in timed.items():
+        assert keys <= planned[model], keys - planned[model]
+    hit = set().union(*timed.values())
+    assert {(2, 1), (2, 2), (2, 4), (1, 1), (1, 2), (4, 4)} <= hit  # refeed / short prefill, shrinking rows, gamma + 1
+    # the same check rejects a warm-up that forgets width 2 (the refeed) or the smaller row buckets
+    no_refeed = {m: {k for k in keys if k[0] != 2} for m, keys in planned.items()}
+    assert any(not keys <= no_refeed[m] for m, keys in timed.items())
+    full_batch_only = {m: {k for k in keys if k[1] == 4} for m, keys in planned.items()}
+    assert any(not keys <= full_batch_only[m] for m, keys in timed.items())
+
+
+def test_graph_widths_cover_chain_tree_and_target_only_steps():
+    assert graph_widths(3) == ({1, 2, 4}, {1, 2})
+    assert graph_widths(3, "2,2") == ({1, 2, 7}, {1, 2})  # the draft forwards level 1 (2 nodes); 6 nodes + root
+    assert graph_widths(2, "4,2,2,1") == ({1, 2, 45}, {1, 2, 4, 8, 16})
+    assert graph_keys({1, 4}, 5, 8) == {(1, 1), (1, 2), (1, 4), (1, 8), (4, 1), (4, 2), (4, 4), (4, 8)}
+    assert graph_keys({1}, 5, 5) == {(1, 1), (1, 2), (1, 4), (1, 5)}  # capped at the cache's rows
+
+
+def test_each_arm_gets_its_own_peak_memory():
+    """`ArmPeaks` keeps each arm's peak apart: an arm that allocates 160 MiB does not lend it to the other arm."""
+
+    def run(unit, arm, repeat):
+        if arm == "speculative":
+            x = torch.ones(160 * 2**20 // 4)  # touched
+            time.sleep(0.05)
+            del x
+        else:
+            time.sleep(0.02)
+        return arm
+
+    peaks = ArmPeaks(run, "cpu")
+    runs = paired_runs(peaks, units=2, arms=("target_only", "speculative"), repeats=2)
+    assert runs["speculative"][1] == ["speculative", "speculative"]
+    assert set(peaks.bytes) == {"target_only", "speculative"}
+    assert peaks.bytes["speculative"] - peaks.bytes["target_only"] > 100 * 2**20

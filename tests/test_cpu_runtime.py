@@ -11,6 +11,7 @@ from specdec_runtime.cpu import CPU_BACKEND, cpu_model, draft_dtype
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.kv import make_state
 from specdec_runtime.llama import StaticState
+from specdec_runtime.sampling import outside_nucleus, sample
 
 # Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -125,3 +126,28 @@ def test_fast_model_picks_the_cpu_path_unless_switched_off(llamas):
     assert backend_name(target) == CPU_BACKEND and target.lm_head.weight.dtype == torch.float32
     assert draft.lm_head.weight.dtype == draft_dtype()
     assert fast_model(hf, cpu_fast_path=False) is hf and backend_name(hf) == "hf-eager"
+
+
+# ---------------------------------------------------------------------------------------- CPU sampling shortcuts
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_nucleus_among_candidates_equals_the_full_sort(top_p):
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(64, 500, generator=gen)  # peaked and flat rows: some nuclei exceed 32 candidates
+    logits[:8] = logits[:8] / 20
+    full = outside_nucleus(logits, top_p, candidates=500)  # the sort path
+    for candidates in (32, 256):
+        rows = (logits.softmax(-1).topk(candidates).values.sum(-1) >= top_p)[:, None]  # nucleus within candidates
+        torch.testing.assert_close(outside_nucleus(logits[rows[:, 0]], top_p, candidates), full[rows[:, 0]])
+        torch.testing.assert_close(outside_nucleus(logits, top_p, candidates), full)  # some rows need the sort
+    assert not full.all(-1).any() and full.any()
+
+
+def test_inverse_cdf_sampling_is_exact_and_never_draws_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0]) * 7  # unnormalised, zeros between and at both ends
+    draws = sample(probs.expand(60_000, 6), torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=6)
+    assert chi_square_pvalue(counts, probs / probs.sum()) > 1e-4
+    skewed = torch.tensor([0.0, 0.45, 0.0, 0.25, 0.3, 0.0])  # a broken sampler's law: the same test must reject it
+    assert chi_square_pvalue(counts, skewed) < 1e-6

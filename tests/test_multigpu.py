@@ -14,6 +14,10 @@ its check. A check is "ok", or the error it raised, so one failing check does no
   one rank is non-finite on both.
 - nested: a teacher whose `_no_split_modules` nest is sharded children first and computes the full model's logits.
 - timeout: the process group created by the CLI's `dist_state` has train.timeout_minutes as its timeout.
+- given_sharded: `distill()` refuses a given teacher it would shard (a second full copy), and `shards_teacher`
+  (what the pipeline asks before handing its target over) agrees with the recipe.
+- run_frees: `specdistill run` with a sharded teacher holds no target of its own while the candidates train (each
+  loads its own, on the CPU to shard it), and loads the target again for eval.
 """
 
 from __future__ import annotations
@@ -228,6 +232,63 @@ def _():
     torch.testing.assert_close(teacher_forward(teacher, batch), want, rtol=0, atol=1e-6)
 
 
+@check("given_sharded")
+def _():
+    from helpers import train_config
+    from specdistill.pipeline import candidate_run
+    from train.loop import DistillRecipe, shards_teacher
+
+    run = candidate_run(train_config(out / "given", "train.shard_teacher=always"), "draft")
+    recipe = DistillRecipe(run)
+    recipe._setup_accelerator()
+    assert recipe.shard and shards_teacher(run)  # the pipeline's forecast is the recipe's decision
+    assert not shards_teacher(candidate_run(train_config(out / "given", "train.shard_teacher=auto"), "draft"))
+    try:
+        recipe._setup_teacher(tiny_llama(vocab_size=64, layers=2), None)
+    except ValueError as e:
+        assert "pass teacher=None" in str(e), e
+    else:
+        raise AssertionError("a full teacher was accepted for sharding")
+
+
+@check("run_frees")
+def _():
+    import gc, weakref
+    import specdec_runtime.loading, train.loop
+    from specdistill.config import load_config
+    from specdistill.pipeline import run_all
+
+    real_load, real_distill, loads, during = specdec_runtime.loading.load_model, train.loop.distill, [], []
+
+    def counted(spec, **kwargs):
+        model, tokenizer = real_load(spec, **kwargs)
+        loads.append((spec, weakref.ref(model)))
+        return model, tokenizer
+
+    def watched(run, data, *, teacher=None, tokenizer=None):
+        gc.collect()
+        during.append((run.name, teacher is None, loads[0][1]() is None))  # run's first load: its target
+        return real_distill(run, data, teacher=teacher, tokenizer=tokenizer)
+
+    smoke = Path(TESTS).parent / "configs" / "smoke.yaml"
+    tiny = ["data.max_prompts=4", "data.max_validation_prompts=2", "data.max_new_tokens=4", "train.max_steps=1",
+            "train.batch_size=1", "eval.max_prompts=4", "eval.num_draft_tokens=[1]", "eval.temperatures=[0.0]",
+            "eval.draft_rules=[greedy]", "eval.max_new_tokens=4", "eval.repeats=1", "eval.warmup=0", "tracking=none",
+            "target.device=cpu", "train.shard_teacher=always",
+            "candidates=[{name: fkl}, {name: tv-cache, overrides: {distill.teacher: cache}}]"]
+    specdec_runtime.loading.load_model = train.loop.load_model = counted
+    train.loop.distill = watched
+    try:
+        result = run_all(load_config(smoke, [f"output_dir={out / 'run'}", *tiny]))
+    finally:
+        specdec_runtime.loading.load_model = train.loop.load_model = real_load
+        train.loop.distill = real_distill
+    assert result["report"].is_file()
+    # The sharded fkl loads its own on the CPU, and so does tv-cache once the target is freed; eval loads it again.
+    assert during == [("fkl", True, True), ("tv-cache", True, True)], during
+    assert [spec for spec, _ in loads].count("random:tiny-llama") == 4, loads
+
+
 (out / f"rank{rank}.json").write_text(json.dumps(results))
 dist.destroy_process_group()
 '''
@@ -270,6 +331,14 @@ def test_nested_no_split_modules_are_sharded_children_first(two_ranks):
 
 def test_the_cli_process_group_has_the_configured_timeout(two_ranks):
     assert_ok(two_ranks["timeout"])
+
+
+def test_distill_refuses_a_given_teacher_to_shard(two_ranks):
+    assert_ok(two_ranks["given_sharded"])
+
+
+def test_run_frees_its_target_while_a_sharded_teacher_trains(two_ranks):
+    assert_ok(two_ranks["run_frees"])
 
 
 # ----------------------------------------------------------------------------------------------------------------

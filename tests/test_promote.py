@@ -29,6 +29,7 @@ def write_report(
     target: str = "random:tiny-llama",
     fingerprint: str = "0123456789abcdef",
     max_concurrency: int = 16,
+    measured_concurrency: tuple[int, ...] = (1, 4, 16),
 ) -> Path:
     """A report.json (contract of eval/sweep.py) recommending `name` with `gamma`, its draft folder created."""
     draft = folder / "candidates" / name / "best"
@@ -43,7 +44,7 @@ def write_report(
         "batch_size": 1,
         "prompts": 16,
         "max_concurrency": max_concurrency if enabled else None,
-        "measured_concurrency": [1, 4, 16],
+        "measured_concurrency": list(measured_concurrency),
     }
     report = {
         "schema_version": 1,
@@ -102,11 +103,12 @@ def test_promote_writes_the_serving_contract(tmp_path):
         "split": "confirmation",
         "batch_size": 1,
         "prompts": 16,
-        "max_concurrency": 16,
+        "max_concurrency_measured": 16,
         "measured_concurrency": [1, 4, 16],
         "eval_report": str(report.resolve()),
     }
-    assert spec["max_concurrency"] == 16 and spec["kind"] == "standalone"
+    assert spec["max_concurrency_measured"] == 16 and spec["concurrency_limit"] is None
+    assert "max_concurrency" not in spec and spec["kind"] == "standalone"
     engines = cfg["engines"]
     assert engines["vllm"] == {
         "speculative_config": {"model": draft, "num_speculative_tokens": 4, "method": "draft_model"}
@@ -359,8 +361,22 @@ def test_concurrency_limit_becomes_vllms_batch_size_schedule(tmp_path):
     serving = tmp_path / "serving.yaml"
     promote(write_report(tmp_path, max_concurrency=4), serving)
     cfg = load(serving)
-    assert cfg["speculative"]["max_concurrency"] == 4
+    assert cfg["speculative"]["max_concurrency_measured"] == 4 and cfg["speculative"]["concurrency_limit"] == 4
     spec = cfg["engines"]["vllm"]["speculative_config"]
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 4], [5, 5, 0]]
     promote(write_report(tmp_path, max_concurrency=16), serving)  # cleared at every measured batch size: no limit
-    assert "num_speculative_tokens_per_batch_size" not in load(serving)["engines"]["vllm"]["speculative_config"]
+    cfg = load(serving)
+    assert cfg["speculative"]["max_concurrency_measured"] == 16 and cfg["speculative"]["concurrency_limit"] is None
+    assert "num_speculative_tokens_per_batch_size" not in cfg["engines"]["vllm"]["speculative_config"]
+
+
+def test_only_batch_one_measured_is_no_cap(tmp_path):
+    """Batch size 1 alone measured: serving.yaml says it was measured there, sets no limit and no vLLM schedule."""
+    serving = tmp_path / "serving.yaml"
+    promote(write_report(tmp_path, max_concurrency=1, measured_concurrency=(1,)), serving)
+    text, cfg = serving.read_text(), load(serving)
+    spec = cfg["speculative"]
+    assert spec["max_concurrency_measured"] == 1 and spec["concurrency_limit"] is None
+    assert spec["measured"]["max_concurrency_measured"] == 1 and spec["measured"]["measured_concurrency"] == [1]
+    assert "max_concurrency:" not in text and "a measurement, not a cap" in text
+    assert "num_speculative_tokens_per_batch_size" not in cfg["engines"]["vllm"]["speculative_config"]

@@ -13,14 +13,16 @@ import zlib
 from html.parser import HTMLParser
 
 import pytest
-from helpers import TREE_ALPHA, make_report
+from helpers import TREE_ALPHA, make_report, perturbed, tiny_llama
 from matplotlib.container import BarContainer, ErrorbarContainer
 
+from eval.config import EvalConfig
 from eval.report import (
     PLOTS,
     SETTING_COLUMNS,
     TRACKER_COLUMNS,
     TREE_COLUMNS,
+    best_chain,
     focus_setting,
     plot_acceptance_vs_gamma,
     plot_by_category,
@@ -35,6 +37,9 @@ from eval.report import (
     write_json_atomic,
     write_reports,
 )
+from eval.sweep import Bench, EvalPrompt, Setting, _setting, group_requests, length_bucket, length_keys, measure
+from specdec_runtime.bench import fast_model
+from specdec_runtime.metrics import RequestStats
 from specdec_runtime.tree import parse_tree, tree_size
 
 # Any warning (matplotlib's "No artists with labels found to put in legend" included) fails the test: users see them.
@@ -445,3 +450,99 @@ def test_every_plot_of_a_real_training_run_has_data(tmp_path_factory, tmp_path):
     labels = {ln.get_label() for ln in val_ax.lines}
     assert {"trunc2-fkl eval/expected_acceptance", "trunc2-fkl eval/greedy_match"} <= labels
     assert "trunc2-fkl eval/loss" in {ln.get_label() for ln in train_ax.lines}
+
+
+def test_best_chain_is_ranked_by_the_interval_lower_end(tmp_path):
+    """A lucky chain (highest median, interval reaching below 1) must not be the "best chain": the candidates table and
+    the tree table rank chains by speedup_ci[0], as eval/recommend.py's choose does."""
+    report = make_report(tmp_path, trees=("4,2,2,1",))
+    cand = report["candidates"][0]
+    chains = [s for s in cand["settings"] if s["tree"] is None and s["temperature"] == 0.0]
+    lucky, sure = chains[0], chains[1]  # num_draft_tokens 1 and 2
+    lucky.update(speedup=9.0, speedup_ci=[0.5, 12.0])
+    top_lower = max(s["speedup_ci"][0] for s in cand["settings"] if s["tree"] is None)
+    sure.update(speedup=2.0, speedup_ci=[top_lower + 0.5, 2.5])
+    assert best_chain(cand, 0.0, "greedy") is sure
+    md = write_reports(report, tmp_path / "eval")["md"].read_text()
+    (row,) = [r for r in md_table(md, "Candidates") if r["candidate"] == cand["name"]]
+    assert float(row["best chain speedup"]) == 2.0 and row["its speedup_ci"] == f"[{top_lower + 0.5:.3g}, 2.5]"
+    tree = next(s for s in cand["settings"] if s["tree"] == "4,2,2,1" and s["temperature"] == 0.0)
+    (tree_row,) = [
+        r for r in md_table(md, "Token-tree settings") if r["candidate"] == cand["name"] and r["temperature"] == "0"
+    ]
+    assert float(tree_row["speedup vs best chain"]) == pytest.approx(tree["speedup"] / 2.0, rel=1e-3)
+
+
+def test_each_arms_peak_memory_in_the_tables(tmp_path):
+    """Per setting and per confirmed batch size: the speculative arm's peak and the target-only arm's, apart."""
+    report = make_report(tmp_path)
+    for cand in report["candidates"]:
+        for s in cand["settings"]:
+            s["target_only"] = {"peak_memory_bytes": 50 * 2**20}
+    for row in report["confirmation"]["by_batch_size"]:
+        row["peak_memory_bytes"] = 80 * 2**20 * row["batch_size"]
+        row["target_only"]["peak_memory_bytes"] = 60 * 2**20 * row["batch_size"]
+    tracker = RecordingTracker()
+    paths = write_reports(report, tmp_path / "eval", tracker=tracker)
+    md, page = paths["md"].read_text(), paths["html"].read_text()
+    chain_rows = md_table(md, "Chain settings")
+    assert {(r["peak_memory_bytes"], r["target peak_memory_bytes"]) for r in chain_rows} == {("117.7 MiB", "50.0 MiB")}
+    conf_rows = md_table(md, "Confirmation split")
+    assert [(r["peak_memory_bytes"], r["target peak_memory_bytes"]) for r in conf_rows] == [
+        ("80.0 MiB", "60.0 MiB"),
+        ("320.0 MiB", "240.0 MiB"),
+    ]
+    assert "<th>target peak_memory_bytes</th>" in page and "<td>320.0 MiB</td>" in page
+    (_, _, columns, rows), _ = tracker.calls
+    assert {row[columns.index("target peak_memory_bytes")] for row in rows} == {50 * 2**20}
+
+
+def _request(new_tokens: int, accepted: int = 1) -> RequestStats:
+    return RequestStats(
+        new_tokens=new_tokens,
+        verify_steps=2,
+        drafted=4,
+        accepted=accepted,
+        position_reached=[2, 1],
+        position_accepted=[1, 0],
+        target_forwards=3,
+        draft_forwards=5,
+        ttft_s=0.1,
+        wall_s=1.0,
+    )
+
+
+def test_by_length_counts_each_prompt_once_whatever_its_repeats_emitted():
+    """At T > 0 a prompt's repeats differ in length: prompt a emits 2, 30, 31 tokens over 3 repeats (median long),
+    b emits 3 each time (short). Each prompt lands in one bucket with all its repeats; counts are prompts."""
+    ids = ["a", "b", "a", "b", "a", "b"]  # unit by unit, each unit's repeats in turn
+    requests = [_request(n) for n in (2, 3, 30, 3, 31, 3)]
+    keys = length_keys(requests, ids, max_new_tokens=32)
+    assert keys == ["long", "short"] * 3
+    groups = group_requests(requests, keys, ids)
+    assert {k: g["count"] for k, g in groups.items()} == {"long": 1, "short": 1}
+    # the old rule (each request's own bucket, count = requests // repeats) loses prompt a from the counts
+    raw = [length_bucket(r.new_tokens, 32) for r in requests]
+    old = {k: len([x for x in raw if x == k]) // 3 for k in set(raw)}
+    assert sum(old.values()) != 2
+
+
+def test_sweep_setting_reports_each_arms_peak_and_prompt_counts():
+    """A real paired measurement at T = 1 with a likely stop token (lengths vary by repeat): by_length and
+    by_category count prompts once, and each arm's peak memory is its own (CPU RSS sampled per call)."""
+    target = tiny_llama(seed=0)
+    draft = perturbed(target, 0.003, seed=1)
+    stop = tuple(range(2, 10))  # 8 of 64 tokens stop: output lengths differ between repeats
+    bench = Bench(fast_model(target), 24, stop, 0, 3, 1)
+    prompts = [EvalPrompt(f"p{i}", "coding" if i % 2 else "math", [5 + i, 17, 3, 40 + i]) for i in range(6)]
+    cfg = EvalConfig(num_draft_tokens=[3], temperatures=[1.0], draft_rules=["sample"], max_new_tokens=24, repeats=3)
+    row = measure(bench, fast_model(draft, draft=True), prompts, Setting(1.0, "sample", 3, None, 2))
+    assert set(row["peak"]) == {"target_only", "speculative"} and min(row["peak"].values()) > 0
+    setting = _setting(Setting(1.0, "sample", 3, None, 2), [row], 0.5, cfg)
+    assert setting["peak_memory_bytes"] == row["peak"]["speculative"]
+    assert setting["target_only"]["peak_memory_bytes"] == row["peak"]["target_only"]
+    assert sum(g["count"] for g in setting["by_length"].values()) == 6
+    assert {k: g["count"] for k, g in setting["by_category"].items()} == {"coding": 3, "math": 3}
+    # per prompt (unit, row): its output length in each repeat; some prompt's repeats fall into different buckets
+    per_prompt = [[call.requests[j].new_tokens for call in unit] for unit in row["runs"]["speculative"] for j in (0, 1)]
+    assert any(len({length_bucket(n, 24) for n in ns}) > 1 for ns in per_prompt), per_prompt

@@ -344,6 +344,32 @@ def test_unusable_data_is_refused(tmp_path, tiny):
         )
 
 
+def test_a_setup_error_frees_what_setup_built(tmp_path, tiny, monkeypatch):
+    """distill() runs its cleanup when setup fails (here after the student is built): while the error's traceback
+    still holds the recipe, nothing setup built is alive."""
+    import gc
+
+    import train.loop
+    from specdistill.pipeline import distill_candidate
+
+    teacher, tokenizer, data = tiny
+    built, real = [], train.loop.build_student
+
+    def build(*args, **kwargs):
+        student = real(*args, **kwargs)
+        built.append(weakref.ref(student))
+        return student
+
+    monkeypatch.setattr(train.loop, "build_student", build)
+    with pytest.raises(ValueError, match="fewer than one global batch") as raised:
+        distill_candidate(
+            train_config(tmp_path / "run", "train.batch_size=32"), "draft", data, teacher=teacher, tokenizer=tokenizer
+        )
+    gc.collect()
+    assert raised.traceback and len(built) == 1  # the traceback (distill()'s frame, the recipe) is alive
+    assert built[0]() is None, "the student outlived its failed setup"
+
+
 def test_on_policy_batches_are_generated_by_the_student(tmp_path, tiny, monkeypatch):
     import train.loop
     from specdistill.pipeline import distill_candidate

@@ -251,6 +251,8 @@ def newest_complete(root: Path) -> Path | None:
 
 def prune_checkpoints(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` complete step folders; drop older ones and half-written leftovers."""
+    for aside in root.glob(".old-*"):  # a step folder a crash left renamed aside goes back first
+        atomic.recover_dir(root / aside.name.removeprefix(".old-").rsplit("-", 1)[0])
     complete = [p for p in _step_dirs(root) if (p / MARKER).is_file()]
     keep = set(complete[:keep_last])
     stale = [p for p in _step_dirs(root) if p not in keep]

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -37,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, gather_object, set_seed
 from peft import PeftModel
@@ -86,11 +88,11 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
 
 def distill(run: CandidateRun, teacher_data: TeacherData, *, teacher=None, tokenizer=None) -> Path:
     """Distill one candidate and return its folder (`run.out_dir`). `teacher`, `tokenizer`: an already loaded
-    target to reuse; loaded from `run.target` when None, or when it is to be sharded (the given one then waits on
-    the CPU and is back on its device when this returns)."""
+    target to reuse; loaded from `run.target` when None, and refused when it is to be sharded (`shards_teacher`):
+    the recipe loads that one on the CPU itself, so free yours first, as `run` does."""
     recipe = DistillRecipe(run)
-    recipe.setup(teacher_data, teacher=teacher, tokenizer=tokenizer)
     try:
+        recipe.setup(teacher_data, teacher=teacher, tokenizer=tokenizer)
         recipe.train()
     finally:
         recipe.cleanup()
@@ -99,6 +101,17 @@ def distill(run: CandidateRun, teacher_data: TeacherData, *, teacher=None, token
         f"{run.name}: best expected_acceptance {state.best_metric:.4f} (step {state.best_step}) in {best}"
     )
     return run.out_dir
+
+
+def shards_teacher(run: CandidateRun) -> bool:
+    """Whether `distill(run)` in this launch shards its teacher, known before its Accelerator exists: accelerate
+    turns FSDP on for a multi-accelerator launch with an FSDP launcher config, and not under DeepSpeed."""
+    state = PartialState()
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not distributed.deepspeed_requested()
+    cpu_or_one = state.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.XLA)
+    kind = DistributedType.FSDP if fsdp and not cpu_or_one else state.distributed_type
+    cache, world = run.distill.teacher == "cache", state.num_processes
+    return distributed.should_shard_teacher(run.train.shard_teacher, kind, world=world, cache=cache)
 
 
 class DistillRecipe:
@@ -114,9 +127,9 @@ class DistillRecipe:
         self.load_options = dict(
             dtype=target.dtype, trust_remote_code=target.trust_remote_code, allow_pickle=target.allow_pickle
         )
+        self.accelerator = self.tracker = self.teacher = None  # cleanup runs after a failed setup too
 
     def setup(self, teacher_data: TeacherData, *, teacher=None, tokenizer=None) -> None:
-        self.parked = None  # (a given teacher moved to the CPU while a sharded copy trains, its device)
         self._setup_accelerator()
         self._setup_output_dir()
         teacher, self.tokenizer = self._setup_teacher(teacher, tokenizer)
@@ -178,13 +191,14 @@ class DistillRecipe:
 
     def _setup_teacher(self, teacher, tokenizer):
         """The given target, else loaded: on the CPU with the offline cache (it only builds the student, never runs a
-        forward) or when it is to be sharded (it reaches the device one shard per process). A given target that is
-        to be sharded waits on the CPU until `cleanup` puts it back, so the device never holds two."""
-        if teacher is not None and not self.shard:
-            return teacher, tokenizer
+        forward) or when it is to be sharded (it reaches the device one shard per process)."""
+        if teacher is not None and self.shard:
+            raise ValueError(
+                "distill() was given a teacher to shard: pass teacher=None and free yours (a sharded teacher is "
+                "loaded on the CPU by the recipe; a full copy kept next to it doubles the memory per process)"
+            )
         if teacher is not None:
-            self.parked = (teacher, teacher.device)
-            teacher.to("cpu")
+            return teacher, tokenizer
         device = "cpu" if self.cache or self.shard else str(self.device)
         with self.accelerator.main_process_first():  # the first load may convert a GGUF into the shared cache
             return load_model(self.run.target.model, device=device, **self.load_options)
@@ -472,7 +486,14 @@ class DistillRecipe:
         return functools.partial(checkpoint.write_model, model=model, state_dict=full_state, tokenizer=self.tokenizer)
 
     def cleanup(self) -> None:
-        self.tracker.finish()
-        if self.parked is not None:
-            teacher, device = self.parked
-            teacher.to(device)
+        """Finish the tracker and free what setup built (teacher, student, optimizer state), after an error too: the
+        next candidate, or the pipeline's next stage, gets the memory back."""
+        if self.tracker is not None:
+            self.tracker.finish()
+        built = ("teacher", "student", "optimizer", "prepared_optimizer", "scheduler", "head", "eagle3")
+        vars(self).update(dict.fromkeys(built))  # dropped, whichever of them setup got to
+        if self.accelerator is not None:
+            self.accelerator.free_memory()  # its references to the prepared student and optimizer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
