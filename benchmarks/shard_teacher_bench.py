@@ -96,18 +96,27 @@ def main() -> None:
     rows = gather_object([{"rank": rank, "full": full_stats, "sharded": sharded_stats, "diff": max_diff}])
     if state.is_main_process:
         print(summary)
-        print(f"teacher {args.teacher} ({args.dtype}), batch {args.batch_size} x {args.seq_len}, {world} processes, "
-              f"device {device.type}")
-        print("| rank | teacher MiB full / sharded | ratio | forward ms full / sharded | ratio | peak fwd MiB full / "
-              "sharded | max abs logit diff |")
+        print(
+            f"teacher {args.teacher} ({args.dtype}), batch {args.batch_size} x {args.seq_len}, {world} processes, "
+            f"device {device.type}"
+        )
+        print(
+            "| rank | teacher MiB full / sharded | ratio | forward ms full / sharded | ratio | peak fwd MiB full / "
+            "sharded | max abs logit diff |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             f, s = r["full"], r["sharded"]
-            peak = (f"{f['peak_forward_mib']:.0f} / {s['peak_forward_mib']:.0f}" if f["peak_forward_mib"] is not None
-                    else "n/a (CPU)")
-            print(f"| {r['rank']} | {f['teacher_mib']:.1f} / {s['teacher_mib']:.1f} | "
-                  f"{s['teacher_mib'] / f['teacher_mib']:.3f} | {f['forward_ms']:.1f} / {s['forward_ms']:.1f} | "
-                  f"{s['forward_ms'] / f['forward_ms']:.2f} | {peak} | {r['diff']:.2e} |")
+            peak = (
+                f"{f['peak_forward_mib']:.0f} / {s['peak_forward_mib']:.0f}"
+                if f["peak_forward_mib"] is not None
+                else "n/a (CPU)"
+            )
+            print(
+                f"| {r['rank']} | {f['teacher_mib']:.1f} / {s['teacher_mib']:.1f} | "
+                f"{s['teacher_mib'] / f['teacher_mib']:.3f} | {f['forward_ms']:.1f} / {s['forward_ms']:.1f} | "
+                f"{s['forward_ms'] / f['forward_ms']:.2f} | {peak} | {r['diff']:.2e} |"
+            )
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"args": vars(args), "world": world, "device": device.type, "rows": rows}, fh, indent=1)

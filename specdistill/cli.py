@@ -20,25 +20,27 @@ from pathlib import Path
 EXAMPLES = {
     "config": "example: specdistill config show configs/quickstart.yaml train.max_steps=20 distill.objective=tv",
     "bench": "example: specdistill bench --target embedded:smollm2-135m-instruct --draft runs/quickstart/export/"
-             "trunc4-fkl --prompts builtin:test --num-prompts 8 --num-draft-tokens 4 --json bench.json",
+    "trunc4-fkl --prompts builtin:test --num-prompts 8 --num-draft-tokens 4 --json bench.json",
     "data": "example: specdistill data configs/quickstart.yaml data.max_prompts=50\n"
-            "         torchrun --nproc_per_node 2 -m specdistill data configs/smoke.yaml",
+    "         torchrun --nproc_per_node 2 -m specdistill data configs/smoke.yaml",
     "distill": "example: specdistill distill configs/quickstart.yaml train.max_steps=100\n"
-               "         accelerate launch --config_file configs/accelerate/ddp.yaml -m specdistill distill CONFIG\n"
-               "         torchrun --nproc_per_node 2 -m specdistill distill configs/smoke.yaml   (CPU, gloo)",
+    "         accelerate launch --config_file configs/accelerate/ddp.yaml -m specdistill distill CONFIG\n"
+    "         torchrun --nproc_per_node 2 -m specdistill distill configs/smoke.yaml   (CPU, gloo)",
     "eval": "example: specdistill eval configs/quickstart.yaml\n"
-            "         specdistill eval --target embedded:smollm2-135m-instruct --drafts runs/quickstart/candidates/"
-            "trunc4-fkl --prompts spec_bench.jsonl --out runs/my-eval eval.num_draft_tokens=[2,4]",
+    "         specdistill eval --target embedded:smollm2-135m-instruct --drafts runs/quickstart/candidates/"
+    "trunc4-fkl --prompts spec_bench.jsonl --out runs/my-eval eval.num_draft_tokens=[2,4]",
     "promote": "example: specdistill promote runs/quickstart/eval/report.json --dry-run",
     "export": "example: specdistill export runs/quickstart/candidates/trunc4-fkl/best runs/quickstart/export/x",
     "run": "example: specdistill run configs/quickstart.yaml      (data -> distill -> eval -> promote -> export)",
-    "generate": 'example: specdistill generate --target embedded:smollm2-135m-instruct --max-new-tokens 64 '
-                '"Explain speculative decoding in one sentence."',
+    "generate": "example: specdistill generate --target embedded:smollm2-135m-instruct --max-new-tokens 64 "
+    '"Explain speculative decoding in one sentence."',
 }
 
 
-TREE_HELP = ("draft a token tree instead of a chain: '4,2,2,1' (branching per depth) or 'dynamic:NODES' (EAGLE-2, "
-             "NODES verified per step); its depth replaces --num-draft-tokens")
+TREE_HELP = (
+    "draft a token tree instead of a chain: '4,2,2,1' (branching per depth) or 'dynamic:NODES' (EAGLE-2, "
+    "NODES verified per step); its depth replaces --num-draft-tokens"
+)
 
 
 class UserError(Exception):
@@ -60,8 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=3e-4")
     show.add_argument("--docs", action="store_true", help="list every key with its documentation instead")
 
-    gen = sub.add_parser("generate", help="decode one prompt with the target (and a draft, if given)",
-                         epilog=EXAMPLES["generate"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen = sub.add_parser(
+        "generate",
+        help="decode one prompt with the target (and a draft, if given)",
+        epilog=EXAMPLES["generate"],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -70,14 +76,22 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
     gen.add_argument("prompt", help="the user message")
 
-    bench = sub.add_parser("bench", help="target-only vs speculative (ours) vs HF assisted generation, one run",
-                           epilog=EXAMPLES["bench"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench = sub.add_parser(
+        "bench",
+        help="target-only vs speculative (ours) vs HF assisted generation, one run",
+        epilog=EXAMPLES["bench"],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_model_args(bench)
     bench.add_argument("--prompts", default="builtin:test", help="prompt file or builtin:test")
     bench.add_argument("--num-prompts", type=int, default=8)
     bench.add_argument("--num-draft-tokens", type=int, default=4)
-    bench.add_argument("--tree", default=None, help="also run a token tree, '4,2,2,1' (branching per depth) or "
-                       "'dynamic:NODES' (EAGLE-2), reported next to the chain of --num-draft-tokens")
+    bench.add_argument(
+        "--tree",
+        default=None,
+        help="also run a token tree, '4,2,2,1' (branching per depth) or "
+        "'dynamic:NODES' (EAGLE-2), reported next to the chain of --num-draft-tokens",
+    )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--batch-size", type=int, default=1)
@@ -85,35 +99,45 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", default=None, help="also write the results as JSON here")
 
-    for name, text in (("data", "generate the teacher's distillation data (resumable)"),
-                       ("distill", "distill every candidate draft (runs `data` first; resumable)"),
-                       ("run", "data -> distill -> eval -> promote -> export, skipping finished stages")):
-        stage = sub.add_parser(name, help=text, epilog=EXAMPLES[name],
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, text in (
+        ("data", "generate the teacher's distillation data (resumable)"),
+        ("distill", "distill every candidate draft (runs `data` first; resumable)"),
+        ("run", "data -> distill -> eval -> promote -> export, skipping finished stages"),
+    ):
+        stage = sub.add_parser(
+            name, help=text, epilog=EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         stage.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
         stage.add_argument("overrides", nargs="*", help="dotted key=value overrides")
         if name == "run":
             stage.add_argument("--force", action="store_true", help="replace a serving config that is not valid YAML")
 
-    ev = sub.add_parser("eval", help="measure acceptance and speedup of candidate drafts against target-only",
-                        epilog=EXAMPLES["eval"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev = sub.add_parser(
+        "eval",
+        help="measure acceptance and speedup of candidate drafts against target-only",
+        epilog=EXAMPLES["eval"],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ev.add_argument("config", nargs="?", default=None, help="YAML config (its candidates are evaluated)")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides (eval.*, serving.*, target.*)")
     ev.add_argument("--target", default=None, help="target model spec (overrides target.model)")
-    ev.add_argument("--drafts", nargs="+", default=None,
-                    help="draft folders, checkpoint folders or distillation run directories")
+    ev.add_argument(
+        "--drafts", nargs="+", default=None, help="draft folders, checkpoint folders or distillation run directories"
+    )
     ev.add_argument("--prompts", default=None, help="eval prompt file (prompt / messages / Spec-Bench turns)")
     ev.add_argument("--out", default=None, help="output folder (default <output_dir>/eval)")
 
-    pr = sub.add_parser("promote", help="write the report's recommendation into the serving config",
-                        epilog=EXAMPLES["promote"])
+    pr = sub.add_parser(
+        "promote", help="write the report's recommendation into the serving config", epilog=EXAMPLES["promote"]
+    )
     pr.add_argument("report", help="report.json written by `specdistill eval`")
     pr.add_argument("--serving", default=None, help="serving config to write (default: the run's serving.path)")
     pr.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
     pr.add_argument("--force", action="store_true", help="replace a serving config that is not valid YAML")
 
-    ex = sub.add_parser("export", help="write a checkpoint as a standalone HF draft folder with a model card",
-                        epilog=EXAMPLES["export"])
+    ex = sub.add_parser(
+        "export", help="write a checkpoint as a standalone HF draft folder with a model card", epilog=EXAMPLES["export"]
+    )
     ex.add_argument("checkpoint", help="best/ or checkpoints/step-N folder (LoRA adapters are merged)")
     ex.add_argument("out_dir")
     ex.add_argument("--report", default=None, help="eval report.json whose numbers go into the model card")
@@ -121,8 +145,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
-    p.add_argument("--target", default="embedded:smollm2-135m-instruct",
-                   help="target model spec: HF id, local folder, .gguf file or embedded:smollm2-135m-instruct")
+    p.add_argument(
+        "--target",
+        default="embedded:smollm2-135m-instruct",
+        help="target model spec: HF id, local folder, .gguf file or embedded:smollm2-135m-instruct",
+    )
     if draft:
         p.add_argument("--draft", default=None, help="draft model spec; omit for target-only decoding")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -132,8 +159,12 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4, help="gamma: tokens drafted per target verify step")
-    p.add_argument("--draft-rule", default="greedy", choices=["greedy", "sample"],
-                   help="greedy: draft proposes its argmax (vLLM default); sample: exact rejection sampling")
+    p.add_argument(
+        "--draft-rule",
+        default="greedy",
+        choices=["greedy", "sample"],
+        help="greedy: draft proposes its argmax (vLLM default); sample: exact rejection sampling",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -166,29 +197,40 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     if args.tree:
         parse_tree(args.tree)  # a bad spec fails before the models load
-    target, tokenizer = load_model(args.target, dtype=args.dtype, device=args.device,
-                                   trust_remote_code=args.trust_remote_code)
+    target, tokenizer = load_model(
+        args.target, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
+    )
     draft = None
     if args.draft:
-        draft, draft_tokenizer = load_draft_model(args.draft, dtype=args.dtype, device=args.device,
-                                                  trust_remote_code=args.trust_remote_code)
+        draft, draft_tokenizer = load_draft_model(
+            args.draft, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
+        )
         if draft_tokenizer is not None:  # an EAGLE-3 head saved without one uses the target's ids by construction
             check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
     prompt = tokenizer.encode(args.prompt) if args.no_chat_template else chat_prompt_ids(tokenizer, args.prompt)
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     start = time.perf_counter()
-    result = generate(target, draft, [prompt], num_draft_tokens=args.num_draft_tokens, draft_rule=args.draft_rule,
-                      sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-                      max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(target, tokenizer),
-                      generator=generator,
-                      tree=args.tree)
+    result = generate(
+        target,
+        draft,
+        [prompt],
+        num_draft_tokens=args.num_draft_tokens,
+        draft_rule=args.draft_rule,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=stop_token_ids(target, tokenizer),
+        generator=generator,
+        tree=args.tree,
+    )
     wall = time.perf_counter() - start
     print(tokenizer.decode(result.tokens[0], skip_special_tokens=True))
     stats = result.stats.aggregate()
     parts = [f"new_tokens={stats['new_tokens']}", f"tokens_per_s={stats['new_tokens'] / wall:.1f}"]
     if draft is not None:
-        parts = [f"acceptance_rate={stats['acceptance_rate']:.3f}",
-                 f"mean_accepted_length={stats['mean_accepted_length']:.2f}"] + parts
+        parts = [
+            f"acceptance_rate={stats['acceptance_rate']:.3f}",
+            f"mean_accepted_length={stats['mean_accepted_length']:.2f}",
+        ] + parts
         if args.tree:
             parts.insert(2, f"nodes_per_step={stats['nodes_per_step']:.1f}")
     print("[" + " ".join(parts) + "]", file=sys.stderr)
@@ -208,18 +250,30 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise UserError("bench needs --draft (the target-only and HF-assisted runs are measured against it)")
     if args.tree:
         parse_tree(args.tree)  # a bad spec fails before the models load
-    target, tokenizer = load_model(args.target, dtype=args.dtype, device=args.device,
-                                   trust_remote_code=args.trust_remote_code)
-    draft, draft_tokenizer = load_draft_model(args.draft, dtype=args.dtype, device=args.device,
-                                              trust_remote_code=args.trust_remote_code)
+    target, tokenizer = load_model(
+        args.target, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
+    )
+    draft, draft_tokenizer = load_draft_model(
+        args.draft, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
+    )
     if draft_tokenizer is not None:
         check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
     records = load_prompts(args.prompts, limit=args.num_prompts)
     prompts = [render_chat(tokenizer, r.messages) for r in records]
     torch.manual_seed(args.seed)
-    result = run_bench(target, draft, tokenizer, prompts, num_draft_tokens=args.num_draft_tokens,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                       seed=args.seed, repeats=args.repeats, tree=args.tree)
+    result = run_bench(
+        target,
+        draft,
+        tokenizer,
+        prompts,
+        num_draft_tokens=args.num_draft_tokens,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        repeats=args.repeats,
+        tree=args.tree,
+    )
     result.update(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(prompts))
     print(format_bench_table(result))
     if args.json:
@@ -334,16 +388,21 @@ def cmd_run(args: argparse.Namespace) -> None:
     if "recommendation" not in result:
         return  # not rank 0
     rec = result["recommendation"]
-    lines = ["", "== specdistill run: done in {:.1f} min ==".format(result["wall_s"] / 60),
-             f"report:         {result['report']} (+ report.md, {result['html']})",
-             f"exported draft: {result['exported']}",
-             f"serving config: {result['serving']}  ({result['summary']})"]
+    lines = [
+        "",
+        "== specdistill run: done in {:.1f} min ==".format(result["wall_s"] / 60),
+        f"report:         {result['report']} (+ report.md, {result['html']})",
+        f"exported draft: {result['exported']}",
+        f"serving config: {result['serving']}  ({result['summary']})",
+    ]
     if rec["enabled"]:
         m = rec["confirmation"]
-        lines.append(f"promoted:       {rec['name']} at num_draft_tokens={rec['num_draft_tokens']}: acceptance_rate "
-                     f"{m['acceptance_rate']:.2f}, mean_accepted_length {m['mean_accepted_length']:.2f}, speedup "
-                     f"{m['speedup']:.2f}x (95% CI {m['speedup_ci'][0]:.2f}-{m['speedup_ci'][1]:.2f}, "
-                     "confirmation split)")
+        lines.append(
+            f"promoted:       {rec['name']} at num_draft_tokens={rec['num_draft_tokens']}: acceptance_rate "
+            f"{m['acceptance_rate']:.2f}, mean_accepted_length {m['mean_accepted_length']:.2f}, speedup "
+            f"{m['speedup']:.2f}x (95% CI {m['speedup_ci'][0]:.2f}-{m['speedup_ci'][1]:.2f}, "
+            "confirmation split)"
+        )
     else:
         lines.append(f"not enabled:    {rec['reason']}")
     print("\n".join(lines))
@@ -358,8 +417,17 @@ def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
     return list(ids)
 
 
-COMMANDS = {"config": cmd_config, "generate": cmd_generate, "bench": cmd_bench, "data": cmd_data,
-            "distill": cmd_distill, "eval": cmd_eval, "promote": cmd_promote, "export": cmd_export, "run": cmd_run}
+COMMANDS = {
+    "config": cmd_config,
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+    "data": cmd_data,
+    "distill": cmd_distill,
+    "eval": cmd_eval,
+    "promote": cmd_promote,
+    "export": cmd_export,
+    "run": cmd_run,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -450,8 +450,14 @@ def make_report(tmp_path, *, enabled: bool = True, trees: tuple[str, ...] = ()) 
             "reason": "both gates passed: trunc2-fkl" if enabled else "speedup gate: no candidate beats target-only",
             "gate": "passed" if enabled else "speedup_ci",
             "selection": {**confirmed, "split": "selection"},
-            "confirmation": {**confirmed, "split": "confirmation", "batch_size": 1, "prompts": 3,
-                             "max_concurrency": 1, "measured_concurrency": [1, 4]},
+            "confirmation": {
+                **confirmed,
+                "split": "confirmation",
+                "batch_size": 1,
+                "prompts": 3,
+                "max_concurrency": 1,
+                "measured_concurrency": [1, 4],
+            },
             "max_concurrency": 1,
         },
     }

@@ -62,8 +62,16 @@ def test_quickstart_has_two_candidates_and_the_embedded_target():
 
 
 def test_overrides_apply_with_types(tmp_path):
-    cfg = load_config(CONFIGS / "smoke.yaml", ["train.max_steps=7", "train.lr=3e-4", "distill.objective=tv",
-                                               "eval.num_draft_tokens=[1,3]", "tracking.entity=null"])
+    cfg = load_config(
+        CONFIGS / "smoke.yaml",
+        [
+            "train.max_steps=7",
+            "train.lr=3e-4",
+            "distill.objective=tv",
+            "eval.num_draft_tokens=[1,3]",
+            "tracking.entity=null",
+        ],
+    )
     assert cfg.train.max_steps == 7 and cfg.train.lr == pytest.approx(3e-4)
     assert cfg.distill.objective == {"tv": 1.0}
     assert cfg.eval.num_draft_tokens == [1, 3]
@@ -132,16 +140,19 @@ def test_wrong_type(tmp_path):
         load_config(None, ["serving.draft_rule=greedi"])
 
 
-@pytest.mark.parametrize("override, match", [
-    ("train.lr=-1", "lr must be > 0"),
-    ("distill.lmbda=1.5", r"lmbda must be in \[0, 1\]"),
-    ("distill.lmbda=-0.1", r"lmbda must be in \[0, 1\]"),
-    ("distill.kd_temperature=0", "kd_temperature must be > 0"),  # checked here, not again by distill_loss
-    ("distill.objective={tv: .nan}", "objective weights must be finite"),
-    ("data.top_p=0", r"top_p must be in \(0, 1\]"),
-    ("eval.num_draft_tokens=[0, 2]", "num_draft_tokens"),
-    ("distill.objective=kl", "unknown objective 'kl'; valid objectives: forward_kl, reverse_kl, jsd, tv, ce"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("train.lr=-1", "lr must be > 0"),
+        ("distill.lmbda=1.5", r"lmbda must be in \[0, 1\]"),
+        ("distill.lmbda=-0.1", r"lmbda must be in \[0, 1\]"),
+        ("distill.kd_temperature=0", "kd_temperature must be > 0"),  # checked here, not again by distill_loss
+        ("distill.objective={tv: .nan}", "objective weights must be finite"),
+        ("data.top_p=0", r"top_p must be in \(0, 1\]"),
+        ("eval.num_draft_tokens=[0, 2]", "num_draft_tokens"),
+        ("distill.objective=kl", "unknown objective 'kl'; valid objectives: forward_kl, reverse_kl, jsd, tv, ce"),
+    ],
+)
 def test_out_of_range(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
@@ -166,12 +177,18 @@ def test_every_field_has_a_docstring():
 
 
 def test_cli_config_show_and_errors():
-    ok = subprocess.run([sys.executable, "-m", "specdistill", "config", "show", str(CONFIGS / "smoke.yaml"),
-                         "train.max_steps=9"], capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "specdistill", "config", "show", str(CONFIGS / "smoke.yaml"), "train.max_steps=9"],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0, ok.stderr
     assert yaml.safe_load(ok.stdout)["train"]["max_steps"] == 9
-    bad = subprocess.run([sys.executable, "-m", "specdistill", "config", "show", str(CONFIGS / "smoke.yaml"),
-                          "train.max_stepz=9"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "specdistill", "config", "show", str(CONFIGS / "smoke.yaml"), "train.max_stepz=9"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2
     assert "Did you mean 'max_steps'" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1

@@ -30,12 +30,14 @@ def test_embedded_loads_and_greedy_generates_deterministically(smollm2):
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
     assert model.dtype == torch.float32 and tokenizer.eos_token == "<|im_end|>"
     prompt = chat(tokenizer, "What is the capital of France?")
-    runs = [generate(model, None, [prompt], max_new_tokens=24, stop_token_ids=[tokenizer.eos_token_id]).tokens[0]
-            for _ in range(2)]
+    runs = [
+        generate(model, None, [prompt], max_new_tokens=24, stop_token_ids=[tokenizer.eos_token_id]).tokens[0]
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
     text = tokenizer.decode(runs[0], skip_special_tokens=True)
     assert "Paris" in text, text
-    hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
     assert runs[0] == hf[: len(runs[0])]
 
 
@@ -45,8 +47,9 @@ def test_speculative_on_the_real_model_is_token_identical(smollm2):
     prompts = [chat(tokenizer, "Name three primary colors."), chat(tokenizer, "Write a haiku about rain.")]
     eos = [tokenizer.eos_token_id]
     want = generate(model, None, prompts, max_new_tokens=20, stop_token_ids=eos).tokens
-    result = generate(model, draft, prompts, num_draft_tokens=3, max_new_tokens=20, stop_token_ids=eos,
-                      sampling=SamplingParams(0.0))
+    result = generate(
+        model, draft, prompts, num_draft_tokens=3, max_new_tokens=20, stop_token_ids=eos, sampling=SamplingParams(0.0)
+    )
     assert result.tokens == want
     stats = result.stats.aggregate()
     assert 0 <= stats["acceptance_rate"] <= 1 and stats["target_forwards"] < stats["new_tokens"] + 2

@@ -114,8 +114,12 @@ def test_unreachable_hub_gives_one_line(monkeypatch):
 
 def test_unreachable_hub_cli_exit_code(monkeypatch):
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-m", "specdistill", "generate", "--target", "someorg/not-cached", "hi"],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "specdistill", "generate", "--target", "someorg/not-cached", "hi"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 2 and "no network access to the model hub" in r.stderr and "Traceback" not in r.stderr
 
 

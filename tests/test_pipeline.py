@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def cli(*args, env, cwd, check=True):
     """The real command line, in a subprocess (the `run` attempts: what a user types)."""
-    r = subprocess.run([sys.executable, "-m", "specdistill", *map(str, args)], capture_output=True, text=True,
-                       env=env, cwd=cwd)
+    r = subprocess.run(
+        [sys.executable, "-m", "specdistill", *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd
+    )
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -56,8 +57,14 @@ def cli_here(*args, env, cwd=None, check=True):
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
-    return {**os.environ, "SPECDISTILL_CACHE": str(home / "cache"), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "SPECDISTILL_CACHE": str(home / "cache"),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +109,9 @@ def test_report_keys_and_ranges(smoke_run):
     assert report["target"] == "random:tiny-llama" and len(report["target_fingerprint"]) == 16
     assert report["prompts"]["count"] == 4
     assert {(c["name"], c["kind"]) for c in report["candidates"]} == {
-        ("fkl", "standalone"), ("tv-cache", "standalone"), ("eagle3", "eagle3")
+        ("fkl", "standalone"),
+        ("tv-cache", "standalone"),
+        ("eagle3", "eagle3"),
     }  # both kinds in one sweep and one report
     assert "| eagle3 | eagle3 |" in (smoke_run[0] / "eval" / "report.md").read_text()  # the kind column
     for cand in report["candidates"]:
@@ -154,9 +163,10 @@ def test_serving_config_and_export(smoke_run):
     if serving["speculative"]["enabled"]:
         assert serving["speculative"]["kind"] == report["recommendation"]["kind"]
     if report["recommendation"]["kind"] == "eagle3":  # the head's files are its export
-        assert load_file(exported / "model.safetensors").keys() == load_file(
-            Path(report["recommendation"]["draft"]) / "model.safetensors"
-        ).keys()
+        assert (
+            load_file(exported / "model.safetensors").keys()
+            == load_file(Path(report["recommendation"]["draft"]) / "model.safetensors").keys()
+        )
         return
     draft = AutoModelForCausalLM.from_pretrained(exported)
     source = AutoModelForCausalLM.from_pretrained(report["recommendation"]["draft"])
@@ -200,33 +210,83 @@ def test_eval_bad_inputs(env, tmp_path, smoke_run):
     no_weights = tmp_path / "draft"
     no_weights.mkdir()
     (no_weights / "config.json").write_text("{}")
-    r = cli_here("eval", "--target", "random:tiny-llama", "--drafts", no_weights, "--out", tmp_path / "e", env=env,
-            cwd=ROOT, check=False)
+    r = cli_here(
+        "eval",
+        "--target",
+        "random:tiny-llama",
+        "--drafts",
+        no_weights,
+        "--out",
+        tmp_path / "e",
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 2 and "has no weights" in r.stderr
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "no accepted field here"}) + "\n")
     best = smoke_run[0] / "candidates" / "fkl" / "best"
-    r = cli_here("eval", "--target", "random:tiny-llama", "--drafts", best, "--prompts", bad, "--out", tmp_path / "e",
-            env=env, cwd=ROOT, check=False)
+    r = cli_here(
+        "eval",
+        "--target",
+        "random:tiny-llama",
+        "--drafts",
+        best,
+        "--prompts",
+        bad,
+        "--out",
+        tmp_path / "e",
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 2 and "prompt" in r.stderr and "messages" in r.stderr and "turns" in r.stderr
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    r = cli_here("eval", "--target", "random:tiny-llama", "--drafts", best, "--prompts", empty, "--out", tmp_path / "e",
-            env=env, cwd=ROOT, check=False)
+    r = cli_here(
+        "eval",
+        "--target",
+        "random:tiny-llama",
+        "--drafts",
+        best,
+        "--prompts",
+        empty,
+        "--out",
+        tmp_path / "e",
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 2 and ("empty" in r.stderr or "no prompts" in r.stderr)
 
 
 def test_eval_spec_bench_file_by_category(env, tmp_path, smoke_run):
     spec_bench = tmp_path / "question.jsonl"
-    rows = [{"question_id": i, "category": cat, "turns": [f"Tell me about {cat} number {i}.", "And more?"]}
-            for i, cat in enumerate(["writing", "writing", "math", "math", "writing", "writing", "coding", "coding"])]
+    rows = [
+        {"question_id": i, "category": cat, "turns": [f"Tell me about {cat} number {i}.", "And more?"]}
+        for i, cat in enumerate(["writing", "writing", "math", "math", "writing", "writing", "coding", "coding"])
+    ]
     spec_bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = smoke_run[0] / "candidates" / "fkl"
-    cli_here("eval", "--target", "random:tiny-llama", "--drafts", run_dir, "--prompts", spec_bench, "--out",
-        tmp_path / "e", "eval.num_draft_tokens=[2]", "eval.temperatures=[0.0]", "eval.max_new_tokens=8",
-        "eval.max_prompts=0", env=env, cwd=ROOT)
+    cli_here(
+        "eval",
+        "--target",
+        "random:tiny-llama",
+        "--drafts",
+        run_dir,
+        "--prompts",
+        spec_bench,
+        "--out",
+        tmp_path / "e",
+        "eval.num_draft_tokens=[2]",
+        "eval.temperatures=[0.0]",
+        "eval.max_new_tokens=8",
+        "eval.max_prompts=0",
+        env=env,
+        cwd=ROOT,
+    )
     report = json.loads((tmp_path / "e" / "report.json").read_text())
     names = [c["name"] for c in report["candidates"]]
     assert names[0] == "fkl" and any("@step-" in n for n in names), "a run dir gives best/ and its kept checkpoints"
@@ -246,15 +306,41 @@ def test_cli_help_lists_only_working_commands(env):
 
 @pytest.mark.slow
 def test_eval_split_over_two_processes_matches_one(env, tmp_path, smoke_run):
-    """torchrun (through this interpreter), 2 CPU processes (gloo): prompts are split, counters merged on rank 0; at T=0 the pooled counts
-    equal a 1-process run's exactly (same tokens, same accept decisions)."""
+    """torchrun through this interpreter (`python -m torch.distributed.run`), 2 CPU processes (gloo): prompts are
+    split, counters merged on rank 0; at T=0 the pooled counts equal a 1-process run's exactly (same tokens, same
+    accept decisions)."""
     best = smoke_run[0] / "candidates" / "fkl" / "best"
-    args = ["eval", "eval.num_draft_tokens=[2]", "eval.temperatures=[0.0]", "eval.max_new_tokens=8",
-            "eval.max_prompts=4", "tracking.backend=none", "--target", "random:tiny-llama", "--drafts", best]
+    args = [
+        "eval",
+        "eval.num_draft_tokens=[2]",
+        "eval.temperatures=[0.0]",
+        "eval.max_new_tokens=8",
+        "eval.max_prompts=4",
+        "tracking.backend=none",
+        "--target",
+        "random:tiny-llama",
+        "--drafts",
+        best,
+    ]
     cli_here(*args, "--out", tmp_path / "one", env=env)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "specdistill", *map(str, args), "--out",
-                          tmp_path / "two"], capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"},
-                         cwd=ROOT)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "specdistill",
+            *map(str, args),
+            "--out",
+            tmp_path / "two",
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     one_r, two_r = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
     assert two_r["prompts"]["count"] == one_r["prompts"]["count"] == 4
@@ -274,18 +360,37 @@ def test_data_and_distill_on_two_processes_with_the_shipped_launcher_file(env, t
     with socket.socket() as sock:  # the file's port may be taken on a shared machine
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           ROOT / "configs" / "accelerate" / "cpu_2proc.yaml", "--main_process_port", port, "-m", "specdistill",
-           "distill", ROOT / "configs" / "smoke.yaml", f"output_dir={out}"]
-    two = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=ROOT,
-                         env={**env, "OMP_NUM_THREADS": "1"}, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
+        "--main_process_port",
+        port,
+        "-m",
+        "specdistill",
+        "distill",
+        ROOT / "configs" / "smoke.yaml",
+        f"output_dir={out}",
+    ]
+    two = subprocess.run(
+        [str(c) for c in cmd],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
 
     one_data = sorted((smoke_run[0] / "data").glob("teacher-*"))
     assert [p.name for p in sorted((out / "data").glob("teacher-*"))] == [p.name for p in one_data]
     for path in one_data:
-        rows = {split: sorted(map(tuple, load_teacher_data(root / path.name)["input_ids"]))
-                for split, root in (("one", smoke_run[0] / "data"), ("two", out / "data"))}
+        rows = {
+            split: sorted(map(tuple, load_teacher_data(root / path.name)["input_ids"]))
+            for split, root in (("one", smoke_run[0] / "data"), ("two", out / "data"))
+        }
         assert rows["two"] == rows["one"], path.name
     for cand in ("fkl", "tv-cache", "eagle3"):
         last = sorted((out / "candidates" / cand / "checkpoints").glob("step-*"))[-1]
@@ -322,8 +427,14 @@ def test_eval_refuses_test_prompts_the_drafts_were_trained_or_validated_on(tmp_p
 
 def test_run_with_overlapping_prompt_roles_refuses_to_start(env, tmp_path):
     out = tmp_path / "run"
-    r = cli_here("run", ROOT / "configs" / "smoke.yaml", f"output_dir={out}", "eval.prompts=builtin:validation",
-                 env=env, check=False)
+    r = cli_here(
+        "run",
+        ROOT / "configs" / "smoke.yaml",
+        f"output_dir={out}",
+        "eval.prompts=builtin:validation",
+        env=env,
+        check=False,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "test prompts (eval.prompts=builtin:validation) share 4 with the validation prompts" in r.stderr
     assert not out.exists(), "refused before any stage wrote anything"

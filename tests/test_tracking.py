@@ -97,8 +97,9 @@ def test_auto_mode_is_offline_without_any_key_and_never_prompts(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "NETRC"))}
     env |= {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / ".config"), "PYTHONPATH": str(ROOT)}
     code = "from train.tracking import resolve_mode; print(resolve_mode('auto'))"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "offline"
 
