@@ -208,11 +208,17 @@ def main() -> None:
           + f"; {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
 
     with torch.no_grad():
+        start = time.perf_counter()
         costs = forward_costs(models, prompts, args.gammas, max_new_tokens=args.max_new_tokens, stop=stop,
                               repeats=args.repeats)  # fmt: skip
+        print(f"section 1 (forward costs): {time.perf_counter() - start:.0f} s", flush=True)
+        start = time.perf_counter()
         hf = hf_baselines(target, draft, tokenizer, prompts, args.gammas[0], max_new_tokens=args.max_new_tokens,
                           stop=stop)  # fmt: skip
+        print(f"section 2 (HF generate, HF assisted): {time.perf_counter() - start:.0f} s", flush=True)
+        start = time.perf_counter()
         data = data_stage(models, target, data_prompts, max_new_tokens=args.data_new_tokens, stop=stop)
+        print(f"section 3 (data stage): {time.perf_counter() - start:.0f} s", flush=True)
     print(report(costs, hf, data, args.gammas))
     if args.json:
         with open(args.json, "w") as f:

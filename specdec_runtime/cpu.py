@@ -5,10 +5,10 @@ over gamma + 1 tokens should cost about one decode step. `F.linear` on a row-maj
 small row counts (its GEMM repacks the weight per call: measured 2-3x the one-row time for 4-8 rows), so `cpu_model`
 rebuilds the compact model with:
 
-- every decoder linear stored transposed, (K, N) contiguous, and applied as one `torch.mm` (MKL's small-M GEMM
-  streams it once); q/k/v fused into one (K, Nq + 2 Nkv) weight and gate/up into one (K, 2 I) weight per layer;
-- the output head pre-packed once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`, the layout Inductor's CPU
-  freezing uses) and applied with `_linear_pointwise`: no per-call packing of the largest matrix;
+- q/k/v fused into one weight and gate/up into one per layer, each laid out once: transposed (K, N) for 1-4 rows
+  (MKL's small-M GEMM streams it once) and pre-packed for oneDNN for more rows
+  (`torch.ops.mkldnn._reorder_linear_weight`, the layout Inductor's CPU freezing uses, run by `_linear_pointwise`);
+- the output head pre-packed the same way: no per-call packing of the largest matrix;
 - grouped-query attention over a (B, Hkv, G * T, D) view of the queries against the cache as it lies (no repeat of
   the keys and values), over only the cache slots some row uses (`StaticState` passes a mask that narrow on CPU).
 
@@ -27,50 +27,56 @@ from torch import nn
 
 from .llama import Llama, LlamaArgs
 
-__all__ = ["CPU_BACKEND", "CpuAttention", "CpuMLP", "FusedLinear", "PackedHead", "cpu_model", "draft_dtype"]
+__all__ = ["CPU_BACKEND", "CpuAttention", "CpuMLP", "FusedLinear", "cpu_model", "draft_dtype"]
 
 CPU_BACKEND = "compact-static-cache+cpu-fused"
 """`settings.backend` of a run on the CPU fast path."""
 
 
+GEMV_ROWS = 4
+"""Up to this many rows an fp32 GEMM runs on the transposed (K, N) weight (MKL's small-M path: fastest for 1 row);
+more rows run on the oneDNN-packed copy (measured here, SmolLM2's 30 layers of weights streamed from DRAM, 2 idle
+threads, (K, N) vs packed: 1 row 21.3 vs 25.2 ms, 4 rows 29.1 vs 31.2, 8 rows 41.2 vs 33.2, 32 rows 58.0 vs 55.3)."""
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) weight -> oneDNN's blocked layout; the batch-size hint only picks the blocking, and one packing served
+    1..32 rows alike here."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
+
+
 class FusedLinear(nn.Module):
-    """Several linears on one input as one GEMM: y = x @ w_t (+ b), w_t (K, N1 + N2 + ...) contiguous."""
+    """Several linears on one input as one GEMM -> (..., N1 + N2 + ...), with the weight laid out once for the CPU.
 
-    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype):
+    fp32 keeps two layouts (`GEMV_ROWS`): the transposed (K, N) weight for 1-4 rows and the oneDNN-packed one for
+    more; other dtypes (a bf16 draft) keep only the packed one, which oneDNN runs natively (bf16 `torch.mm` would
+    reorder the weight per call). `gemv=False` (the output head: 113 MB for SmolLM2) keeps only the packed layout.
+    """
+
+    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype, gemv: bool = True):
         super().__init__()
-        w_t = torch.cat([lin.weight.detach().t() for lin in linears], 1).to(dtype).contiguous()  # (K, N)
-        self.w_t = nn.Parameter(w_t, requires_grad=False)
-        biases = [lin.bias for lin in linears]
-        has_bias = any(b is not None for b in biases)
-        if has_bias:
-            parts = [b.detach() if b is not None else torch.zeros(lin.out_features) for b, lin in zip(biases, linears)]
-            self.bias = nn.Parameter(torch.cat(parts).to(dtype), requires_grad=False)
-        else:
-            self.bias = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(self.w_t.dtype)  # (M, K)
-        y = torch.addmm(self.bias, x2, self.w_t) if self.bias is not None else torch.mm(x2, self.w_t)
-        return y.view(*x.shape[:-1], -1)
-
-
-class PackedHead(nn.Module):
-    """The output head's weight (V, D) pre-packed once for oneDNN; applied without per-call packing -> (..., V)."""
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, rows_hint: int = 32):
-        super().__init__()
+        weight = torch.cat([lin.weight.detach() for lin in linears], 0).to(dtype)  # (N, K)
         self.out_features, self.dtype = weight.shape[0], dtype
-        # The batch-size hint only picks oneDNN's blocking; measured here one packing serves 1..32 rows alike.
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), rows_hint)
-        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("packed", _packed(weight), persistent=False)
+        w_t = weight.t().contiguous() if gemv and dtype == torch.float32 else None  # (K, N)
+        self.register_buffer("w_t", w_t, persistent=False)
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            parts = [b.detach() if b is not None else torch.zeros(lin.out_features) for b, lin in zip(biases, linears)]
+            bias = torch.cat(parts).to(dtype)
+        self.register_buffer("bias", bias, persistent=False)
 
     @property
-    def weight(self) -> torch.Tensor:  # setup_cache reads the compute dtype from lm_head.weight
+    def weight(self) -> torch.Tensor:  # Llama.setup_cache reads the compute dtype from lm_head.weight
         return self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
+        x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)  # (M, K)
+        if self.w_t is not None and x2.shape[0] <= GEMV_ROWS:
+            y = torch.mm(x2, self.w_t) if self.bias is None else torch.addmm(self.bias, x2, self.w_t)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -143,6 +149,6 @@ def cpu_model(hf_model: nn.Module, dtype: torch.dtype = torch.float32) -> Llama:
     for layer in model.layers:
         layer.self_attn = CpuAttention(layer.self_attn, model.args, dtype)
         layer.mlp = CpuMLP(layer.mlp, dtype)
-    model.lm_head = PackedHead(model.lm_head.weight, dtype)
+    model.lm_head = FusedLinear([model.lm_head], dtype, gemv=False)
     model.cpu_fast = True
     return model.eval()

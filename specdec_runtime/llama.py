@@ -297,7 +297,8 @@ class StaticState:
         if last_only and T > 2:  # prefill: eager, variable length
             return self.model(tokens, positions, slots, mask, last_only=True).float()
         logits = self.model.step(tokens, positions, slots, mask)  # on CUDA: the graph's buffer, reused next replay
-        return (logits[:, -1:] if last_only else logits).to(torch.float32, copy=True)
+        # a CUDA graph's logits buffer is overwritten by the next replay; eager CPU logits are fresh: no copy
+        return (logits[:, -1:] if last_only else logits).to(torch.float32, copy=not self.model.cpu_fast)
 
     def rollback(self, drop: torch.Tensor) -> None:
         self.lengths = self.lengths - drop
@@ -325,7 +326,7 @@ class StaticState:
         mask = (rel < 0)[:, None] | (in_segment[:, None] & seen_slot)  # real tokens, then flagged segment slots
         self.segment = width
         logits = self.model.step(tokens, positions, slots, mask[:, None])
-        return logits.to(torch.float32, copy=True)
+        return logits.to(torch.float32, copy=not self.model.cpu_fast)
 
     def tree_commit(self, cols: torch.Tensor, counts: torch.Tensor) -> None:
         K = cols.shape[1]

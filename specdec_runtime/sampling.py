@@ -51,7 +51,7 @@ def warp_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-NUCLEUS_CANDIDATES = 1024
+NUCLEUS_CANDIDATES = 256
 """Most likely tokens a CPU top-p looks among before sorting the whole vocabulary (see `outside_nucleus`)."""
 
 
@@ -60,15 +60,18 @@ def outside_nucleus(logits: torch.Tensor, top_p: float, candidates: int = NUCLEU
 
     A token is kept iff the tokens more likely than it hold less than top_p (so the most likely one always is). On
     the CPU a full sort of a 49k vocabulary costs ~9 ms per row on one core, more than a decode step's GEMMs at batch
-    32, so the nucleus is looked for among the `candidates` most likely tokens first (`topk`); a full sort runs only
-    when some row's nucleus is larger (CUDA always sorts: one fast kernel, and no host sync).
+    32, so the nucleus is looked for among the `candidates` most likely tokens first (`topk`); only the rows whose
+    nucleus is larger are sorted in full (CUDA always sorts: one fast kernel, and no host sync).
     """
     V = logits.shape[-1]
     if logits.device.type == "cpu" and V > candidates:
         top, order = logits.softmax(-1).topk(candidates, dim=-1)  # (..., K) descending
-        if bool((top.sum(-1) >= top_p).all()):  # every token past the candidates is outside: one host sync
-            above = top.cumsum(-1) - top  # (..., K) mass of the more likely candidates
-            return torch.ones_like(logits, dtype=torch.bool).scatter(-1, order, above >= top_p)
+        above = top.cumsum(-1) - top  # (..., K) mass of the more likely candidates
+        drop = torch.ones_like(logits, dtype=torch.bool).scatter(-1, order, above >= top_p)
+        wide = top.sum(-1) < top_p  # (...) rows whose nucleus reaches past the candidates: one host sync
+        if bool(wide.any()):
+            drop[wide] = outside_nucleus(logits[wide], top_p, candidates=V)  # (N, V): those rows, sorted
+        return drop
     sorted_logits, order = logits.sort(-1)  # ascending
     drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
     drop[..., -1] = False  # always keep the most likely token
@@ -102,6 +105,8 @@ def verify(
     rejection, or from p at the bonus position when all G are accepted.
     """
     B, G = x.shape
+    if G == 0:  # target-only decoding: the same draw as below (residual = p), without the (B, V) passes
+        return torch.zeros(B, dtype=torch.long, device=p.device), sample(p[:, 0], generator, greedy)
     p_x = p[:, :G].gather(-1, x[..., None])[..., 0]  # (B, G)
     q_x = q.gather(-1, x[..., None])[..., 0]  # (B, G)
     u = torch.rand(B, G, device=p.device, generator=generator)

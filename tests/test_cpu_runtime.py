@@ -4,7 +4,17 @@ and the switch that turns it off."""
 
 import pytest
 import torch
-from helpers import LLAMA_PROMPTS, chi_square_pvalue, hf_greedy, llama_joint2, perturbed, spread_llama, tiny_llama
+from helpers import (
+    JOINT_PROMPTS,
+    LLAMA_PROMPTS,
+    chi_square_pvalue,
+    hf_greedy,
+    llama_joint2,
+    llama_joint_pvalues,
+    perturbed,
+    spread_llama,
+    tiny_llama,
+)
 
 from specdec_runtime.bench import backend_name, fast_model
 from specdec_runtime.cpu import CPU_BACKEND, cpu_model, draft_dtype
@@ -89,35 +99,24 @@ def test_greedy_identity_with_a_bf16_draft_and_stops_mid_draft(llamas):
     assert any(len(r) < 20 for r in reference)
 
 
-def _joint_pvalues(target, draft, prompts, sampling, draws=4000):
-    result = generate(
-        target,
-        draft,
-        [prompts["short"], prompts["long"]] * draws,
-        num_draft_tokens=3,
-        draft_rule="sample",
-        sampling=sampling,
-        max_new_tokens=2,
-        generator=torch.Generator().manual_seed(1),
-    )
-    flat = torch.tensor(result.tokens)
-    flat = flat[:, 0] * 12 + flat[:, 1]
-    return result, [torch.bincount(flat[i::2], minlength=144) for i in range(2)]
+def _joint_pvalues(target, draft, exact, sampling):
+    generator = torch.Generator().manual_seed(1)
+    kwargs = dict(draws=4000, generator=generator, num_draft_tokens=3, draft_rule="sample")
+    return llama_joint_pvalues(target, draft, exact, sampling, **kwargs)
 
 
 def test_speculative_joint_on_the_cpu_path_and_its_broken_window(monkeypatch):
     hf_target, hf_draft = spread_llama(0), spread_llama(1)
-    prompts = {"short": [5], "long": [3, 9, 1, 7, 2]}
     sampling = SamplingParams(temperature=1.0, top_k=8)
-    exact = [llama_joint2(hf_target, prompts[kind], sampling) for kind in ("short", "long")]
+    exact = {kind: llama_joint2(hf_target, prompt, sampling) for kind, prompt in JOINT_PROMPTS.items()}
     target, draft = cpu_model(hf_target), cpu_model(hf_draft, dtype=torch.bfloat16)
-    result, counts = _joint_pvalues(target, draft, prompts, sampling)
+    result, pvalues = _joint_pvalues(target, draft, exact, sampling)
     assert 0.05 < result.stats.aggregate()["acceptance_rate"] < 0.95
-    assert min(chi_square_pvalue(c, p) for c, p in zip(counts, exact)) > 1e-4
+    assert min(pvalues.values()) > 1e-4
     # Broken twin: a window half as wide hides the newest tokens of the longest rows; the same test must see it.
     monkeypatch.setattr(StaticState, "window", lambda self, need: (int(need.max()) + 1) // 2)
-    _, counts = _joint_pvalues(target, draft, prompts, sampling)
-    assert min(chi_square_pvalue(c, p) for c, p in zip(counts, exact)) < 1e-6
+    _, pvalues = _joint_pvalues(target, draft, exact, sampling)
+    assert min(pvalues.values()) < 1e-6
 
 
 def test_fast_model_picks_the_cpu_path_unless_switched_off(llamas):

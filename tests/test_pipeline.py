@@ -227,38 +227,17 @@ def test_eval_bad_inputs(env, tmp_path, smoke_run):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "no accepted field here"}) + "\n")
     best = smoke_run[0] / "candidates" / "fkl" / "best"
-    r = cli_here(
-        "eval",
-        "--target",
-        "random:tiny-llama",
-        "--drafts",
-        best,
-        "--prompts",
-        bad,
-        "--out",
-        tmp_path / "e",
-        env=env,
-        cwd=ROOT,
-        check=False,
-    )
+
+    def eval_prompts(prompts):
+        args = ("--target", "random:tiny-llama", "--drafts", best, "--prompts", prompts, "--out", tmp_path / "e")
+        return cli_here("eval", *args, env=env, cwd=ROOT, check=False)
+
+    r = eval_prompts(bad)
     assert r.returncode == 2 and "prompt" in r.stderr and "messages" in r.stderr and "turns" in r.stderr
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    r = cli_here(
-        "eval",
-        "--target",
-        "random:tiny-llama",
-        "--drafts",
-        best,
-        "--prompts",
-        empty,
-        "--out",
-        tmp_path / "e",
-        env=env,
-        cwd=ROOT,
-        check=False,
-    )
+    r = eval_prompts(empty)
     assert r.returncode == 2 and ("empty" in r.stderr or "no prompts" in r.stderr)
 
 

@@ -6,43 +6,31 @@ bonus token or a wrong position id all change the joint distribution of the emit
 of whole sequences of 2 (gamma + 1) tokens with a stop token (rows finish at different steps and leave the batch).
 """
 
-import itertools
-from types import SimpleNamespace
-
 import pytest
 import torch
-from helpers import V, chi_square_pvalue, exact_joint, llama_joint2, spread_llama
+from helpers import (
+    JOINT_PROMPTS,
+    SEQ_LEN,
+    SEQ_PROMPTS,
+    SEQ_STOP,
+    TrigramLM,
+    V,
+    chi_square_pvalue,
+    exact_joint,
+    llama_joint2,
+    llama_joint_pvalues,
+    sequence_pvalues,
+    sequence_tables,
+    spread_llama,
+)
 
 import specdec_runtime.engine as engine
 import specdec_runtime.kv as kv
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.llama import Llama
-from specdec_runtime.sampling import warp_logits
 
 # Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class TrigramLM(torch.nn.Module):
-    """Logits by (previous token, current token, position parity); the previous token is read from the KV cache."""
-
-    def __init__(self, table: torch.Tensor):  # (V + 1, V, 2, V): row V is "no previous token"
-        super().__init__()
-        self.table = table
-        self.config = SimpleNamespace(vocab_size=table.shape[-1], max_position_embeddings=1024)
-        self.device = torch.device("cpu")
-
-    def forward(self, input_ids, position_ids, attention_mask, cache, use_cache=True, logits_to_keep=0):
-        B, T = input_ids.shape
-        ids, _ = cache.update(input_ids[:, None, :, None].float(), input_ids[:, None, :, None].float(), 0)
-        ids = ids[:, 0, :, 0].long()  # (B, S + T): every column the cache holds, holes included
-        S = ids.shape[1] - T
-        cols = torch.arange(S + T)
-        latest = torch.where(attention_mask.bool(), cols, -1).cummax(1).values  # last visible column <= c
-        prev_col = torch.cat([torch.full((B, 1), -1), latest[:, :-1]], 1)[:, S:]  # (B, T) last visible before c
-        prev = torch.where(prev_col >= 0, ids.gather(1, prev_col.clamp_min(0)), self.table.shape[0] - 1)
-        logits = self.table[prev, input_ids, position_ids % 2]  # (B, T, V)
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
 def trigram_tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,65 +129,35 @@ def test_a_broken_acceptance_rule_is_caught(toys, monkeypatch):
 @pytest.mark.parametrize("backend", ["hf", "compact"])
 def test_speculative_joint_on_tiny_llamas(backend):
     target, draft = spread_llama(0), spread_llama(1)
-    prompts = {"short": [5], "long": [3, 9, 1, 7, 2]}
     sampling = SamplingParams(temperature=1.0, top_k=8)
-    exact = {kind: llama_joint2(target, prompt, sampling) for kind, prompt in prompts.items()}
+    exact = {kind: llama_joint2(target, prompt, sampling) for kind, prompt in JOINT_PROMPTS.items()}
     if backend == "compact":
         target, draft = Llama.from_hf(target), Llama.from_hf(draft)
-    draws = 4000
-    result = generate(
+    result, pvalues = llama_joint_pvalues(
         target,
         draft,
-        [prompts["short"], prompts["long"]] * draws,
+        exact,
+        sampling,
+        draws=4000,
+        generator=torch.Generator().manual_seed(1),
         num_draft_tokens=3,
         draft_rule="sample",
-        sampling=sampling,
-        max_new_tokens=2,
-        generator=torch.Generator().manual_seed(1),
     )
-    tokens = torch.tensor(result.tokens)
-    flat = tokens[:, 0] * 12 + tokens[:, 1]
     assert 0.05 < result.stats.aggregate()["acceptance_rate"] < 0.95
-    for i, kind in enumerate(("short", "long")):
-        counts = torch.bincount(flat[i::2], minlength=144)
-        assert chi_square_pvalue(counts, exact[kind]) > 1e-4, kind
+    for kind, pvalue in pvalues.items():
+        assert pvalue > 1e-4, kind
 
 
 # ------------------------------------------------------------------------ whole sequences, with their broken twins
 
-SEQ_V, SEQ_STOP, SEQ_GAMMA = 4, 3, 2
-SEQ_LEN = 2 * (SEQ_GAMMA + 1)  # two full steps after the first token: bonus tokens and rollbacks both feed forward
-SEQ_PROMPTS = {"short": [1], "long": [2, 0, 1]}
+SEQ_GAMMA = 2
+assert SEQ_LEN == 2 * (
+    SEQ_GAMMA + 1
+)  # two full steps after the first token: bonus tokens and rollbacks both feed forward
 SEQ_DRAWS = 12_000  # per prompt kind
 
 
-def sequence_tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(V + 1, V, 2, V) target and draft tables that agree often (all-accepted steps take a bonus token) but not
-    always (rejections roll back), with a rare stop token so most sequences run to full length."""
-    gen = torch.Generator().manual_seed(seed)
-    target = 1.5 * torch.randn(SEQ_V + 1, SEQ_V, 2, SEQ_V, generator=gen)
-    target[..., SEQ_STOP] -= 1.5
-    draft = target + torch.randn(target.shape, generator=gen)
-    return target, draft
-
-
-def sequence_probs(table: torch.Tensor, prompt: list[int], sampling: SamplingParams) -> dict[tuple, float]:
-    """P(sequence) of target-only sampling for every sequence the run can emit: SEQ_LEN tokens, or fewer ending in
-    the stop token."""
-    none, probs = table.shape[0] - 1, {}
-    for length in range(1, SEQ_LEN + 1):
-        for seq in itertools.product(range(SEQ_V), repeat=length):
-            if SEQ_STOP in seq[:-1] or (length < SEQ_LEN and seq[-1] != SEQ_STOP):
-                continue
-            ctx, prob = list(prompt) + list(seq), 1.0
-            for i in range(len(prompt), len(ctx)):
-                prev = ctx[i - 2] if i >= 2 else none
-                prob *= float(warp_logits(table[prev, ctx[i - 1], (i - 1) % 2], sampling)[ctx[i]])
-            probs[seq] = prob
-    return probs
-
-
-def sequence_pvalues(target, draft, table, sampling, rule, seed=0) -> dict[str, float]:
+def sequence_pvalues_of(target, draft, table, sampling, rule, seed=0) -> dict[str, float]:
     """Chi-square p-value of the emitted sequences per prompt kind against their exact distribution."""
     result = generate(
         target,
@@ -212,15 +170,7 @@ def sequence_pvalues(target, draft, table, sampling, rule, seed=0) -> dict[str, 
         stop_token_ids=[SEQ_STOP],
         generator=torch.Generator().manual_seed(seed),
     )
-    pvalues = {}
-    for i, kind in enumerate(("short", "long")):
-        probs = sequence_probs(table, SEQ_PROMPTS[kind], sampling)
-        cells = {seq: c for c, seq in enumerate(probs)}
-        counts = torch.zeros(len(cells) + 1)  # the last cell: sequences the target can never emit
-        for tokens in result.tokens[i::2]:
-            counts[cells.get(tuple(tokens), len(cells))] += 1
-        pvalues[kind] = chi_square_pvalue(counts, torch.tensor([*probs.values(), 0.0]))
-    return pvalues
+    return sequence_pvalues(result.tokens, table, sampling)
 
 
 @pytest.fixture(scope="module")
@@ -236,13 +186,13 @@ def seq_toys():
 )
 def test_whole_sequences_are_distributed_as_target_only(seq_toys, sampling, rule):
     target, draft, table = seq_toys
-    for kind, pvalue in sequence_pvalues(target, draft, table, sampling, rule).items():
+    for kind, pvalue in sequence_pvalues_of(target, draft, table, sampling, rule).items():
         assert pvalue > 1e-4, kind
 
 
 def test_whole_sequences_of_target_only_decoding(seq_toys):
     target, _, table = seq_toys
-    for kind, pvalue in sequence_pvalues(target, None, table, SamplingParams(1.0), "sample").items():
+    for kind, pvalue in sequence_pvalues_of(target, None, table, SamplingParams(1.0), "sample").items():
         assert pvalue > 1e-4, kind
 
 
@@ -256,7 +206,7 @@ def test_a_bonus_token_from_the_wrong_index_is_caught(seq_toys, monkeypatch):
         return verify(torch.cat([p[:, :G], p[:, G - 1 : G]], 1) if G else p, q, x, generator, greedy)
 
     monkeypatch.setattr(engine, "verify", bonus_one_early)
-    pvalues = sequence_pvalues(target, draft, table, SamplingParams(1.0), "sample")
+    pvalues = sequence_pvalues_of(target, draft, table, SamplingParams(1.0), "sample")
     assert min(pvalues.values()) < 1e-6, pvalues
 
 
@@ -265,5 +215,5 @@ def test_a_stale_cache_entry_after_rollback_is_caught(seq_toys, monkeypatch):
     target, draft, table = seq_toys
     drop_last_real = kv.drop_last_real
     monkeypatch.setattr(kv, "drop_last_real", lambda mask, drop: drop_last_real(mask, (drop - 1).clamp_min(0)))
-    pvalues = sequence_pvalues(target, draft, table, SamplingParams(1.0), "sample")
+    pvalues = sequence_pvalues_of(target, draft, table, SamplingParams(1.0), "sample")
     assert min(pvalues.values()) < 1e-6, pvalues

@@ -7,7 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import GPU_PROMPTS, assert_same_up_to_ties, chi_square_pvalue, gpu_llama, gpu_perturbed, llama_joint2
+from helpers import (
+    GPU_PROMPTS,
+    JOINT_PROMPTS,
+    assert_same_up_to_ties,
+    gpu_llama,
+    gpu_perturbed,
+    llama_joint2,
+    llama_joint_pvalues,
+)
 
 from specdec_runtime.bench import run_bench
 from specdec_runtime.engine import SamplingParams, generate
@@ -49,23 +57,12 @@ def test_bf16_graphs_distribution():
     target = Llama.from_hf(hf_target, dtype=torch.bfloat16)
     draft = Llama.from_hf(hf_draft, dtype=torch.bfloat16)
     sampling = SamplingParams(temperature=1.0, top_p=0.95)
-    prompts = {"short": [5], "long": [3, 9, 1, 7, 2]}
-    draws = 20_000
-    result = generate(
-        target,
-        draft,
-        [prompts["short"], prompts["long"]] * draws,
-        num_draft_tokens=3,
-        draft_rule="sample",
-        sampling=sampling,
-        max_new_tokens=2,
-        generator=torch.Generator(device="cuda").manual_seed(0),
-    )
-    tokens = torch.tensor(result.tokens)
-    flat = tokens[:, 0] * 12 + tokens[:, 1]
-    for i, kind in enumerate(("short", "long")):
-        counts = torch.bincount(flat[i::2], minlength=144).double()
-        assert chi_square_pvalue(counts, llama_joint2(hf_target, prompts[kind], sampling)) > 1e-4, kind
+    exact = {kind: llama_joint2(hf_target, prompt, sampling) for kind, prompt in JOINT_PROMPTS.items()}
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    kwargs = dict(draws=20_000, generator=generator, num_draft_tokens=3, draft_rule="sample")
+    _, pvalues = llama_joint_pvalues(target, draft, exact, sampling, **kwargs)
+    for kind, pvalue in pvalues.items():
+        assert pvalue > 1e-4, kind
 
 
 def test_bench_uses_the_compact_model_on_cuda():

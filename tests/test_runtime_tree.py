@@ -7,7 +7,6 @@ change the distribution of the emitted tokens.
 Run the CUDA checks on a GPU machine: python -m pytest tests/test_runtime_tree.py -q -m gpu
 """
 
-import itertools
 import json
 import os
 import subprocess
@@ -19,7 +18,12 @@ import torch
 import torch.nn.functional as F
 from helpers import (
     GPU_PROMPTS,
+    JOINT_PROMPTS,
     LLAMA_PROMPTS,
+    SEQ_LEN,
+    SEQ_PROMPTS,
+    SEQ_STOP,
+    TrigramLM,
     V,
     assert_same_up_to_ties,
     chi_square_pvalue,
@@ -29,8 +33,11 @@ from helpers import (
     gpu_perturbed,
     hf_greedy,
     llama_joint2,
+    llama_joint_pvalues,
     per_row_tree,
     perturbed,
+    sequence_pvalues,
+    sequence_tables,
     spread_llama,
     tiny_llama,
 )
@@ -40,7 +47,6 @@ from specdec_runtime.bench import format_bench_table, run_bench
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.kv import make_state
 from specdec_runtime.llama import Llama
-from specdec_runtime.sampling import warp_logits
 from specdec_runtime.tree import DynamicTreeShape, accepted_path_indices, parse_tree, tree_size, verify_layout
 
 # Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
@@ -148,32 +154,6 @@ def test_parse_tree():
 # ----------------------------------------------------------------------------------- exact sampling, full engine
 
 
-class TreeTrigramLM(torch.nn.Module):
-    """Logits by (previous token, current token, position parity); the previous token is the last cache column the
-    query may attend to before its own: its parent inside a tree. Accepts 2D padding masks and 4D additive masks."""
-
-    def __init__(self, table: torch.Tensor):  # (V + 1, V, 2, V): row V is "no previous token"
-        super().__init__()
-        self.table = table
-        self.config = SimpleNamespace(vocab_size=table.shape[-1], max_position_embeddings=1024)
-        self.device, self.dtype = torch.device("cpu"), torch.float32
-
-    def forward(self, input_ids, position_ids, attention_mask, cache, use_cache=True, logits_to_keep=0):
-        B, T = input_ids.shape
-        ids, _ = cache.update(input_ids[:, None, :, None].float(), input_ids[:, None, :, None].float(), 0)
-        ids = ids[:, 0, :, 0].long()  # (B, S + T): every column the cache holds, holes included
-        S = ids.shape[1] - T
-        cols, own = torch.arange(S + T), S + torch.arange(T)
-        if attention_mask.dim() == 4:  # additive tree mask (B, 1, T, S + T): 0 = attend
-            visible = attention_mask[:, 0] == 0
-        else:  # (B, S + T) real columns, causal
-            visible = attention_mask.bool()[:, None, :] & (cols <= own[:, None])
-        prev_col = torch.where(visible & (cols < own[:, None]), cols, -1).amax(-1)  # (B, T)
-        prev = torch.where(prev_col >= 0, ids.gather(1, prev_col.clamp_min(0)), self.table.shape[0] - 1)
-        logits = self.table[prev, input_ids, position_ids % 2]  # (B, T, V)
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
-
-
 def colliding_tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Target and draft tables where the draft's favourite is the token after the target's mode, so the target's mode
     is usually a later sibling: the first sibling gets rejected and the residual decides. The draft also proposes
@@ -222,7 +202,7 @@ def assert_target_distributed(draws: torch.Tensor, joint: torch.Tensor, label: s
 @pytest.fixture(scope="module")
 def toys():
     target, draft = colliding_tables(0)
-    return TreeTrigramLM(target), TreeTrigramLM(draft), target
+    return TrigramLM(target), TrigramLM(draft), target
 
 
 @pytest.mark.parametrize(
@@ -283,47 +263,23 @@ def test_a_mismatched_sibling_rule_is_caught(toys, monkeypatch):
 )
 def test_tree_joint_on_tiny_llamas(backend, tree, rule):
     target, draft = spread_llama(0), spread_llama(1)
-    prompts = {"short": [5], "long": [3, 9, 1, 7, 2]}
     sampling = SamplingParams(temperature=1.0, top_k=8)
-    exact = {kind: llama_joint2(target, prompt, sampling) for kind, prompt in prompts.items()}
+    exact = {kind: llama_joint2(target, prompt, sampling) for kind, prompt in JOINT_PROMPTS.items()}
     if backend == "compact":
         target, draft = Llama.from_hf(target), Llama.from_hf(draft)
-    draws = 4000
-    result = generate(
+    result, pvalues = llama_joint_pvalues(
         target,
         draft,
-        [prompts["short"], prompts["long"]] * draws,
-        draft_rule=rule,
-        sampling=sampling,
-        max_new_tokens=2,
+        exact,
+        sampling,
+        draws=4000,
         generator=torch.Generator().manual_seed(1),
+        draft_rule=rule,
         tree=tree,
     )
-    tokens = torch.tensor(result.tokens)
-    flat = tokens[:, 0] * 12 + tokens[:, 1]
     assert 1.05 < result.stats.aggregate()["mean_accepted_length"] < 2.9
-    for i, kind in enumerate(("short", "long")):
-        assert chi_square_pvalue(torch.bincount(flat[i::2], minlength=144), exact[kind]) > 1e-4, kind
-
-
-SEQ_V, SEQ_STOP, SEQ_LEN = 4, 3, 6  # 6 = 2 (depth + 1) for the depth-2 trees below
-SEQ_PROMPTS = {"short": [1], "long": [2, 0, 1]}
-
-
-def sequence_probs(table: torch.Tensor, prompt: list[int], sampling: SamplingParams) -> dict[tuple, float]:
-    """P(sequence) of target-only sampling for every sequence a run can emit: SEQ_LEN tokens, or fewer ending in the
-    stop token."""
-    none, probs = table.shape[0] - 1, {}
-    for length in range(1, SEQ_LEN + 1):
-        for seq in itertools.product(range(SEQ_V), repeat=length):
-            if SEQ_STOP in seq[:-1] or (length < SEQ_LEN and seq[-1] != SEQ_STOP):
-                continue
-            ctx, prob = list(prompt) + list(seq), 1.0
-            for i in range(len(prompt), len(ctx)):
-                prev = ctx[i - 2] if i >= 2 else none
-                prob *= float(warp_logits(table[prev, ctx[i - 1], (i - 1) % 2], sampling)[ctx[i]])
-            probs[seq] = prob
-    return probs
+    for kind, pvalue in pvalues.items():
+        assert pvalue > 1e-4, kind
 
 
 @pytest.mark.parametrize(
@@ -334,14 +290,11 @@ def sequence_probs(table: torch.Tensor, prompt: list[int], sampling: SamplingPar
 def test_tree_whole_sequences_are_distributed_as_target_only(tree, rule):
     """Sequences of 2 (depth + 1) tokens with a stop token: full paths, bonus tokens and compactions feed forward,
     and rows leave the batch at different steps."""
-    gen = torch.Generator().manual_seed(0)
-    table = 1.5 * torch.randn(SEQ_V + 1, SEQ_V, 2, SEQ_V, generator=gen)
-    table[..., SEQ_STOP] -= 1.5
-    draft = table + torch.randn(table.shape, generator=gen)
+    table, draft = sequence_tables(0)
     sampling, draws = SamplingParams(1.0), 12_000
     result = generate(
-        TreeTrigramLM(table),
-        TreeTrigramLM(draft),
+        TrigramLM(table),
+        TrigramLM(draft),
         [SEQ_PROMPTS["short"], SEQ_PROMPTS["long"]] * draws,
         draft_rule=rule,
         sampling=sampling,
@@ -351,13 +304,8 @@ def test_tree_whole_sequences_are_distributed_as_target_only(tree, rule):
         tree=tree,
     )
     assert result.stats.aggregate()["mean_accepted_length"] > 2  # full paths with their bonus token are common
-    for i, kind in enumerate(("short", "long")):
-        probs = sequence_probs(table, SEQ_PROMPTS[kind], sampling)
-        cells = {seq: c for c, seq in enumerate(probs)}
-        counts = torch.zeros(len(cells) + 1)  # the last cell: sequences the target can never emit
-        for tokens in result.tokens[i::2]:
-            counts[cells.get(tuple(tokens), len(cells))] += 1
-        assert chi_square_pvalue(counts, torch.tensor([*probs.values(), 0.0])) > 1e-4, kind
+    for kind, pvalue in sequence_pvalues(result.tokens, table, sampling).items():
+        assert pvalue > 1e-4, kind
 
 
 # ------------------------------------------------------------------------------------------------- KV compaction
