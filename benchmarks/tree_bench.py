@@ -125,7 +125,8 @@ def main() -> None:
     else:
         draft = truncate_student(target, evenly_spaced_layers(target.config.num_hidden_layers, args.draft_layers))
     stop = stop_token_ids(target, tokenizer)  # the tokenizer's EOS and the generation config's, as everywhere
-    target, draft = fast_model(target), fast_model(draft)  # compact bf16 + CUDA graphs on CUDA, as given on CPU
+    # compact bf16 + CUDA graphs on CUDA; the CPU fast path on the CPU (fp32 target, the draft in cpu.draft_dtype())
+    target, draft = fast_model(target), fast_model(draft, draft=True)
     prompts = [render_chat(tokenizer, r.messages) for r in load_prompts(args.prompts, limit=args.num_prompts)]
     print(
         f"device {target.device}, {torch.get_num_threads()} threads, {len(prompts)} prompts x "
