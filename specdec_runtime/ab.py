@@ -63,11 +63,6 @@ def pooled(runs: Runs) -> GenerationStats:
     return merge_stats([stats for unit in runs for stats in unit])
 
 
-def first_repeat(runs: Runs) -> GenerationStats:
-    """One call per unit: the requests of each prompt once (per-category and per-length tables count prompts)."""
-    return merge_stats([unit[0] for unit in runs])
-
-
 class ArmPeaks:
     """`run` of `paired_runs`, with the peak memory of each arm over its timed calls (`PeakMemory` around every
     call): `bytes[arm]`, so target-only and speculative decoding each get their own peak.

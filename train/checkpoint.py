@@ -38,7 +38,6 @@ from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from specdec_runtime import atomic
-from specdec_runtime.loading import LORA_BASE as LORA_BASE  # the run layout's lora_base/, named where it is read
 
 MARKER = "COMPLETE"
 PREFIX = "step-"
