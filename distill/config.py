@@ -17,9 +17,11 @@ def deprecated(message: str) -> None:
 
 @dataclass
 class DataConfig:
-    prompts: str = "builtin:train"
-    """Training prompts: builtin:train, a JSONL/JSON/CSV/parquet file, a datasets folder, an HF dataset id, or
-    self_instruct (the teacher writes its own prompts)."""
+    prompts: str | list[str] = "builtin:train"
+    """Training prompts: builtin:train, builtin:long-input (long-input tasks, training only), a JSONL/JSON/CSV/parquet
+    file, a datasets folder, an HF dataset id, self_instruct (the teacher writes self_instruct_count prompts), or a
+    list of these concatenated in order, e.g. [builtin:train, builtin:long-input, self_instruct]; max_prompts applies
+    to the concatenation."""
     validation_prompts: str = "builtin:validation"
     """Validation prompts: scored during distillation to pick the checkpoint (best/); never trained on, and
     disjoint from the test prompts (eval.prompts)."""
@@ -28,7 +30,7 @@ class DataConfig:
     max_validation_prompts: int = 32
     """Use at most this many validation prompts (0 = all)."""
     self_instruct_count: int = 200
-    """With prompts=self_instruct: how many unique prompts the teacher writes."""
+    """With self_instruct in prompts (alone or in a list): how many unique prompts the teacher writes."""
     num_samples: int = 1
     """Teacher responses sampled per prompt."""
     max_prompt_tokens: int = 384
@@ -63,6 +65,8 @@ class DataConfig:
                 "builtin:test); using builtin:validation"
             )
             self.validation_prompts = "builtin:validation"
+        if isinstance(self.prompts, list):
+            _check_sources(self.prompts)
         for name in ("max_prompts", "max_validation_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = all), got {getattr(self, name)}")
@@ -83,6 +87,17 @@ class DataConfig:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def _check_sources(sources: list) -> None:
+    """data.prompts as a list: at least one source, each a non-empty string, none twice."""
+    if not sources:
+        raise ValueError("prompts is an empty list; give one source or a list of sources, e.g. [builtin:train]")
+    for i, source in enumerate(sources):
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError(f"prompts[{i}] must be a prompt source (a non-empty string), got {source!r}")
+        if source in sources[:i]:
+            raise ValueError(f"prompts lists {source!r} twice (prompts[{sources.index(source)}] and prompts[{i}])")
 
 
 @dataclass

@@ -40,8 +40,11 @@ from tqdm.auto import tqdm
 
 from distill.config import DataConfig
 from distill.prompts import (
+    SELF_INSTRUCT,
     PromptRecord,
+    concat_sources,
     load_prompts,
+    load_sources,
     overlap_count,
     render_chat,
     save_prompts,
@@ -55,7 +58,6 @@ from specdec_runtime.loading import stop_token_ids
 
 FORMAT_VERSION = 2  # bump when the columns or the sampling scheme change, so old caches are not reused
 COMPLETE = ".complete"
-SELF_INSTRUCT = "self_instruct"
 # Prompt writing needs diversity whatever temperature the answers are sampled at.
 SELF_INSTRUCT_SAMPLING = SamplingParams(temperature=1.0, top_p=0.95)
 
@@ -134,10 +136,8 @@ def generate_teacher_data(
     stop_ids = list(stop_token_ids(teacher, tokenizer))
     job = dict(cfg=cfg, out_dir=out_dir, teacher_id=teacher_id, seed=seed, stop_ids=stop_ids, rank=rank)
     decoder = fast_model(teacher, cpu_fast_path)  # the model the engine decodes with
-    if cfg.prompts == SELF_INSTRUCT:
-        train_records = _self_instruct_records(decoder, tokenizer, barrier=barrier, **job)
-    else:
-        train_records = load_prompts(cfg.prompts)
+    write_self_instruct = functools.partial(_self_instruct_records, decoder, tokenizer, barrier=barrier, **job)
+    train_records = concat_sources(load_sources(cfg.prompts, self_instruct=write_self_instruct))
     eval_records = load_prompts(cfg.validation_prompts)
     train_records = drop_held_out(train_records, eval_records, log=print if rank == 0 else None)
     splits = {
@@ -242,12 +242,21 @@ def check_context(teacher, records: list[PromptRecord], prompt_ids: list[list[in
 
 
 def training_prompts(cfg: DataConfig) -> list[PromptRecord] | None:
-    """The prompts the `data` stage answers for training: data.prompts without the data.validation_prompts, the
-    first data.max_prompts of them; None for self_instruct (the teacher writes those at data time)."""
+    """The prompts the `data` stage answers for training: data.prompts (a list's sources concatenated) without the
+    data.validation_prompts, the first data.max_prompts of them; None for self_instruct (the teacher writes those at
+    data time)."""
     if cfg.prompts == SELF_INSTRUCT:
         return None
-    kept = drop_held_out(load_prompts(cfg.prompts), load_prompts(cfg.validation_prompts), log=None)
-    return kept[: cfg.max_prompts or None]
+    return [r for _, records in training_prompts_by_source(cfg) for r in records]
+
+
+def training_prompts_by_source(cfg: DataConfig) -> list[tuple[str, list[PromptRecord]]]:
+    """`training_prompts` as (source, records) per source of data.prompts. A self_instruct source is written at data
+    time and counts as empty here, so the other sources keep at least the prompts the data stage answers."""
+    parts = load_sources(cfg.prompts)
+    kept = drop_held_out(concat_sources(parts), load_prompts(cfg.validation_prompts), log=None)
+    ids = {r.id for r in kept[: cfg.max_prompts or None]}
+    return [(source, [r for r in records if r.id in ids]) for source, records in parts]
 
 
 def validation_prompts(cfg: DataConfig) -> list[PromptRecord]:
@@ -258,12 +267,12 @@ def validation_prompts(cfg: DataConfig) -> list[PromptRecord]:
 
 def check_test_prompts(cfg: DataConfig, test: Sequence[PromptRecord], source: str) -> None:
     """Refuse test prompts (eval.prompts=`source`) that the drafts were trained or selected on: compared with the
-    training and validation prompts the data stage answers, by `prompt_key` as `drop_held_out` does. A self_instruct
-    run's training prompts are written at data time and are not checked."""
-    roles = {
-        f"training prompts (data.prompts={cfg.prompts})": training_prompts(cfg) or [],
-        f"validation prompts (data.validation_prompts={cfg.validation_prompts})": validation_prompts(cfg),
-    }
+    training and validation prompts the data stage answers, by `prompt_key` as `drop_held_out` does, with the count
+    per source of a data.prompts list. Prompts of a self_instruct source are written at data time and not checked."""
+    parts = training_prompts_by_source(cfg)
+    keys = ["data.prompts"] if isinstance(cfg.prompts, str) else [f"data.prompts[{i}]" for i in range(len(parts))]
+    roles = {f"training prompts ({key}={source})": records for key, (source, records) in zip(keys, parts)}
+    roles[f"validation prompts (data.validation_prompts={cfg.validation_prompts})"] = validation_prompts(cfg)
     shared = {role: n for role, records in roles.items() if (n := overlap_count(test, records))}
     if shared:
         overlaps = " and ".join(f"{n} with the {role}" for role, n in shared.items())

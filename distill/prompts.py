@@ -1,4 +1,4 @@
-"""Prompt sources: files, `datasets` folders, the HF hub, the shipped set, or prompts the teacher writes itself.
+"""Prompt sources: files, `datasets` folders, the HF hub, the shipped sets, or prompts the teacher writes itself.
 
 Every source becomes a list of `PromptRecord`s (chat messages ending with a user turn), which the data stage renders
 with the teacher's chat template (`render_chat`) and answers. Accepted sources:
@@ -6,7 +6,13 @@ with the teacher's chat template (`render_chat`) and answers. Accepted sources:
     load_prompts("prompts.jsonl")          # also .json ([...] or {"data": [...]}), .csv, .parquet
     load_prompts("my_prompts_dataset/")    # saved with datasets' save_to_disk (a DatasetDict needs split=...)
     load_prompts("builtin")                # every shipped prompt; builtin:train / :validation / :test are its splits
+    load_prompts("builtin:long-input")     # shipped long-input tasks, for training only (not part of "builtin")
     load_prompts("owner/name", split="test")   # HF hub dataset (needs network or a warm datasets cache)
+
+`data.prompts` is one source or a list of them, concatenated in order (`load_sources`, `concat_sources`), where
+`self_instruct` stands for the prompts the teacher writes at data time (distill/data.py):
+
+    concat_sources(load_sources(["builtin:train", "builtin:long-input"]))   # ids must be unique across sources
 
 Record fields: `prompt`, `messages` ({role, content} list), or `turns` (Spec-Bench / MT-bench user turns), with
 `instruction` (+ `input`) and `question` as aliases of `prompt`; `question_id` / `id` and `category` are kept.
@@ -18,6 +24,11 @@ specdistill_prompts.jsonl by category); its held-out 10 % is halved by category 
 test split adds the prompts of specdistill_test_prompts.jsonl, written for it, so that every category has six test
 prompts. The held-out splits come ordered round-robin over categories, two prompts at a time
 (`interleave_categories`), so the first N prompts span the categories.
+
+`builtin:long-input` (specdistill_long_input_prompts.jsonl, 60 prompts) holds tasks with a few hundred tokens of
+given context, all under 384 tokens after SmolLM2's chat template (data.max_prompt_tokens): summaries of a given
+passage, questions over a passage, paragraphs to translate, multi-sentence math word problems and multi-turn chats.
+It is disjoint from every other shipped prompt and is no split of `builtin`, whose contents and order stay fixed.
 """
 
 import csv
@@ -41,6 +52,8 @@ ACCEPTED_FIELDS = ("prompt", "messages", "turns", "instruction", "question")
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 ROLES = ("system", "user", "assistant")
 BUILTIN_SPLITS = ("train", "validation", "test")
+BUILTIN_TRAINING_SETS = {"long-input": "specdistill_long_input_prompts.jsonl"}  # training-only, outside "builtin"
+SELF_INSTRUCT = "self_instruct"  # the data.prompts source the teacher writes at data time
 BUILTIN_HELD_OUT_FRACTION = 0.1  # of specdistill_prompts.jsonl; the rest is builtin:train, as in every version
 BUILTIN_SEED = 0
 BUILTIN_TEST_SEED = 1  # halves the held-out part into validation and test
@@ -109,6 +122,45 @@ def records_from_rows(rows: Sequence[Any], name: str) -> list[PromptRecord]:
     return records
 
 
+def load_sources(
+    sources: str | Sequence[str], *, self_instruct: Callable[[], list[PromptRecord]] | None = None
+) -> list[tuple[str, list[PromptRecord]]]:
+    """(source, records) for data.prompts, one source or a list of them, in order. A `self_instruct` source's
+    records come from `self_instruct()` (the data stage's teacher writes them), or are [] when it is None. In a list,
+    a source that fails to load is named with its index."""
+    if isinstance(sources, str):  # one source: loaded, and failing, exactly as before lists existed
+        return [(sources, _load_source(sources, self_instruct))]
+    parts = []
+    for i, source in enumerate(sources):
+        try:
+            parts.append((source, _load_source(source, self_instruct)))
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"data.prompts[{i}] ({source}): {e}") from None
+    return parts
+
+
+def _load_source(source: str, self_instruct: Callable[[], list[PromptRecord]] | None) -> list[PromptRecord]:
+    if source == SELF_INSTRUCT:
+        return self_instruct() if self_instruct is not None else []
+    return load_prompts(source)
+
+
+def concat_sources(parts: Sequence[tuple[str, Sequence[PromptRecord]]]) -> list[PromptRecord]:
+    """The records of every (source, records) part in order; an id in two sources is refused, naming both (ids
+    key the rows of the teacher data, so they must stay unique)."""
+    source_of: dict[str, str] = {}  # id -> the earlier source that holds it
+    out: list[PromptRecord] = []
+    for source, records in parts:
+        if clash := next((r.id for r in records if r.id in source_of), None):
+            raise ValueError(
+                f"data.prompts: prompt id {clash!r} is in both {source_of[clash]} and {source}; ids must be unique "
+                "across the sources: drop one of them or rename the id"
+            )
+        source_of.update((r.id, source) for r in records)
+        out += records
+    return out
+
+
 def save_prompts(records: Sequence[PromptRecord], path: str | Path) -> None:
     """Write records atomically as JSONL that `load_prompts` reads back unchanged (the run's prompt files)."""
     rows = ({k: v for k, v in asdict(r).items() if v is not None} for r in records)
@@ -124,8 +176,13 @@ def _load_builtin(name: str | None, split: str | None) -> list[PromptRecord]:
             "builtin:eval was split into builtin:validation (checkpoint selection: data.validation_prompts) and "
             "builtin:test (eval sweep and bench: eval.prompts); use one of them"
         )
+    if which in BUILTIN_TRAINING_SETS:
+        return _read_builtin_file(BUILTIN_TRAINING_SETS[which])
     if which not in (None, *BUILTIN_SPLITS):
-        raise ValueError(f"unknown builtin split {which!r}; use 'builtin' or builtin:{{{','.join(BUILTIN_SPLITS)}}}")
+        raise ValueError(
+            f"unknown builtin split {which!r}; use 'builtin', builtin:{{{','.join(BUILTIN_SPLITS)}}} or "
+            + " or ".join(f"builtin:{name}" for name in BUILTIN_TRAINING_SETS)
+        )
     records = _read_builtin_file("specdistill_prompts.jsonl")
     extra_test = _read_builtin_file("specdistill_test_prompts.jsonl")
     if which is None:

@@ -22,6 +22,8 @@ from distill.data import (
     load_teacher_data,
     shards_for_rank,
     topk_from_logits,
+    training_prompts,
+    validation_prompts,
 )
 from distill.prompts import PromptRecord, load_prompts, render_chat
 from specdec_runtime.loading import load_model
@@ -125,6 +127,25 @@ def test_second_call_is_a_cache_hit(tiny, tmp_path, monkeypatch):
     calls = count_engine_calls(monkeypatch)
     assert run(tiny, cfg, tmp_path / "data") == first
     assert calls == []
+
+
+def test_single_source_teacher_data_keeps_its_fingerprint(tiny, tmp_path, monkeypatch):
+    # Pinned before data.prompts took lists: data written by earlier versions is found again, never regenerated.
+    cfg = make_cfg(tmp_path, n_train=4)
+    out = run(tiny, cfg, tmp_path / "data")
+    assert (out.train.name, out.eval.name) == ("teacher-debff41e4e9d", "teacher-eval-367fc4802285")
+    calls = count_engine_calls(monkeypatch)
+    assert run(tiny, dataclasses.replace(cfg, prompts=[cfg.prompts]), tmp_path / "data") == out and calls == []
+    # The defaults' keys (builtin:train, builtin:validation) with this teacher's tokenizer, pinned the same way.
+    _, tokenizer = tiny
+    keys = {}
+    for split, records in (
+        ("teacher", training_prompts(DataConfig())),
+        ("teacher-eval", validation_prompts(DataConfig())),
+    ):
+        ids = [render_chat(tokenizer, r.messages) for r in records]
+        keys[split] = fingerprint(split, records, ids, DataConfig(), TEACHER_ID, "torch.float32", 0, [258])
+    assert keys == {"teacher": "b8140b80eafc", "teacher-eval": "f2af773382ae"}
 
 
 def test_fingerprint_changes_with_every_setting_and_nothing_else(tiny, tmp_path):
@@ -302,6 +323,46 @@ def test_self_instruct_prompts_are_written_once_and_reused(tiny, tmp_path, monke
     assert run(tiny, cfg, tmp_path / "data") == out and calls == []
 
 
+def test_a_list_of_sources_is_answered_in_order_and_max_prompts_cuts_the_whole(tiny, tmp_path):
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Name a {w}"}) + "\n" for i, w in enumerate("AB")))
+    cfg = make_cfg(tmp_path, n_train=3, self_instruct_count=2, max_new_tokens=16, batch_size=2)
+    cfg = dataclasses.replace(cfg, prompts=[cfg.prompts, "self_instruct", str(other)])
+    out = run(tiny, cfg, tmp_path / "data")
+    (prompts_file,) = (tmp_path / "data").glob("self_instruct-*.jsonl")  # the teacher's part, written as before
+    written = [r.id for r in load_prompts(prompts_file)]
+    assert load_teacher_data(out.train)["id"] == [f"{i}#0" for i in ["p0", "p1", "p2", *written, "q0", "q1"]]
+    cut = dataclasses.replace(cfg, max_prompts=4)
+    assert load_teacher_data(run(tiny, cut, tmp_path / "data").train)["id"] == [
+        "p0#0",
+        "p1#0",
+        "p2#0",
+        f"{written[0]}#0",
+    ]
+    # Before data time the teacher's part is unknown: the other sources count as if it were empty.
+    assert [r.id for r in training_prompts(cut)] == ["p0", "p1", "p2", "q0"]
+
+
+def test_prompts_key_takes_a_list_and_names_a_bad_entry():
+    from specdistill.config import ConfigError, load_config
+
+    sources = ["builtin:train", "builtin:long-input", "self_instruct"]
+    assert (
+        load_config(None, ["data.prompts=[builtin:train, builtin:long-input, self_instruct]"]).data.prompts == sources
+    )
+    assert load_config(None, ["data.prompts=builtin:train"]).data.prompts == "builtin:train"
+    for override, match in (
+        ("data.prompts=[]", "prompts is an empty list"),
+        ("data.prompts=[builtin:train, '  ']", r"prompts\[1\] must be a prompt source .*got '  '"),
+        (
+            "data.prompts=[self_instruct, a.jsonl, self_instruct]",
+            r"'self_instruct' twice \(prompts\[0\] and prompts\[2\]\)",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, [override])
+
+
 def test_empty_prompt_set_is_refused(tiny, tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="no prompts"):
@@ -381,6 +442,25 @@ def test_test_prompts_seen_in_training_or_validation_are_refused_with_the_counts
     check_test_prompts(dataclasses.replace(cfg, max_validation_prompts=2), [respelled(validation[2], "x2")], "t")
     with pytest.raises(ValueError, match="share 1 with the validation prompts"):
         check_test_prompts(dataclasses.replace(cfg, max_validation_prompts=3), [respelled(validation[2], "x2")], "t")
+
+
+def test_test_prompts_are_checked_against_every_source_of_a_list(tmp_path):
+    cfg = make_cfg(tmp_path, n_train=4)
+    listed = dataclasses.replace(cfg, prompts=[cfg.prompts, "self_instruct", "builtin:long-input"])
+    check_test_prompts(listed, load_prompts("builtin:test"), "builtin:test")  # builtin:long-input is training-only
+    long_input = load_prompts("builtin:long-input")
+    test = [
+        respelled(load_prompts(cfg.prompts)[0], "x0"),
+        respelled(long_input[0], "x1"),
+        respelled(long_input[1], "x2"),
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"3 test prompts \(eval.prompts=t\) share 1 with the training prompts \(data.prompts\[0\]=.*train.jsonl\)"
+        r" and 2 with the training prompts \(data.prompts\[2\]=builtin:long-input\);",
+    ):
+        check_test_prompts(listed, test, "t")
+    check_test_prompts(dataclasses.replace(listed, max_prompts=4), test[1:], "t")  # past max_prompts: never answered
 
 
 def test_builtin_roles_pass_the_check_and_validation_as_test_is_refused():

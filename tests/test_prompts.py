@@ -13,10 +13,13 @@ import pytest
 from distill.prompts import (
     ACCEPTED_FIELDS,
     BUILTIN_SPLITS,
+    SELF_INSTRUCT,
     PromptRecord,
     clean_generated_prompt,
+    concat_sources,
     interleave_categories,
     load_prompts,
+    load_sources,
     overlap_count,
     prompt_key,
     render_chat,
@@ -210,6 +213,69 @@ def test_builtin_splits_one_per_role_disjoint_fixed_and_complete():
     assert Counter(r.category for r in splits["test"]) == {c: 6 for c in categories}
 
 
+def contents_digest(records):
+    return hashlib.sha256(json.dumps([[r.id, r.category, r.messages] for r in records]).encode()).hexdigest()[:12]
+
+
+def test_builtin_set_and_splits_keep_their_contents_and_order():
+    # builtin:long-input ships beside them, never inside: teacher data keyed on them and the eval prompts stay put.
+    sources = ("builtin", "builtin:train", "builtin:validation", "builtin:test")
+    assert {s: (len(records := load_prompts(s)), contents_digest(records)) for s in sources} == {
+        "builtin": (385, "43c0f01d178a"),
+        "builtin:train": (309, "f0e4956aa060"),
+        "builtin:validation": (16, "a70c10276122"),
+        "builtin:test": (60, "bda68b86de60"),
+    }
+
+
+LONG_INPUT_CATEGORIES = ("summarization", "qa", "translation", "math", "multi_turn")
+
+
+def words(text):
+    return len(text.split())
+
+
+def test_builtin_long_input_is_varied_long_and_disjoint_from_every_shipped_prompt():
+    records = load_prompts("builtin:long-input")
+    assert Counter(r.category for r in records) == {c: 12 for c in LONG_INPUT_CATEGORIES}
+    assert len({r.id for r in records}) == 60 and all(r.id.startswith("long-") for r in records)
+    assert len({prompt_key(r) for r in records}) == 60
+    for split in ("test", "validation", "train"):  # never a test or validation prompt, nor a repeat of train
+        others = load_prompts(f"builtin:{split}")
+        assert overlap_count(records, others) == 0 and not {r.id for r in records} & {r.id for r in others}, split
+    assert load_prompts("builtin", split="long-input") == records
+    languages = Counter()
+    for r in records:
+        text = "\n\n".join(m["content"] for m in r.messages)
+        assert r.messages[-1]["role"] == "user" and words(text) <= 300, r.id  # ~384 SmolLM2 tokens (slow test)
+        if r.category == "summarization":  # an instruction, then a 150-300 word passage
+            assert 150 <= words(text.split("\n\n", 1)[1]) <= 300, r.id
+        elif r.category in ("qa", "multi_turn"):
+            assert words(text) >= 150, r.id
+        elif r.category == "translation":
+            languages.update(lang for lang in ("French", "German", "Spanish") if lang in r.messages[0]["content"])
+            assert words(text.split("\n\n", 1)[1]) >= 100, r.id
+        else:  # math: a word problem with a multi-sentence setup
+            assert text.count(". ") >= 3 and re.search(r"\d", text), r.id
+        if r.category == "multi_turn":  # earlier turns, ending with the user's
+            roles = [m["role"] for m in r.messages]
+            assert len(roles) >= 3 and roles == ["user", "assistant"] * (len(roles) // 2) + ["user"], r.id
+        else:
+            assert len(r.messages) == 1, r.id
+    assert languages == {"French": 4, "German": 4, "Spanish": 4}
+
+
+@pytest.mark.slow
+def test_builtin_long_input_fits_the_data_stage_under_smollm2s_chat_template():
+    from distill.config import DataConfig
+    from specdec_runtime.loading import DEFAULT_TARGET, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_TARGET)
+    lengths = sorted(len(render_chat(tokenizer, r.messages)) for r in load_prompts("builtin:long-input"))
+    assert lengths[-1] <= DataConfig().max_prompt_tokens  # the data stage refuses longer prompts
+    assert lengths[0] >= 128 and lengths[len(lengths) // 2] >= 250  # a few hundred tokens of context
+
+
 def test_builtin_test_prompts_pair_categories_so_both_sweep_halves_span_them():
     test = [r.category for r in load_prompts("builtin:test")]
     for n in range(2, len(test) + 1, 2):  # eval.max_prompts = n; the sweep alternates selection / confirmation
@@ -223,7 +289,7 @@ def test_builtin_eval_names_the_splits_that_replaced_it():
     for source, split in (("builtin:eval", None), ("builtin", "eval")):
         with pytest.raises(ValueError, match="builtin:eval was split into builtin:validation .* and builtin:test"):
             load_prompts(source, split=split)
-    with pytest.raises(ValueError, match="unknown builtin split 'tset'"):
+    with pytest.raises(ValueError, match="unknown builtin split 'tset'.* or builtin:long-input"):
         load_prompts("builtin:tset")
 
 
@@ -242,6 +308,37 @@ def test_overlap_count_ignores_ids_case_and_spacing():
     others = [PromptRecord(id="z", messages=user(" what is a cat? "))]
     assert overlap_count(records, others) == 1 and overlap_count(others, records) == 1
     assert overlap_count(records, [PromptRecord(id="x", messages=user("What is a dog?"))]) == 0  # same id, new text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lists of sources (data.prompts)
+
+
+def test_sources_concatenate_in_order_and_one_string_loads_as_before(tmp_path):
+    a = str(write_jsonl(tmp_path / "a.jsonl", [{"id": "a0", "prompt": "first"}, {"id": "a1", "prompt": "second"}]))
+    b = str(write_jsonl(tmp_path / "b.jsonl", [{"id": "b0", "prompt": "third"}]))
+    assert load_sources(a) == [(a, load_prompts(a))]
+    assert load_sources(SELF_INSTRUCT) == [(SELF_INSTRUCT, [])]  # written by the teacher at data time
+    written = [PromptRecord(id="self_instruct-00000", messages=user("a prompt the teacher wrote"))]
+    parts = load_sources([a, SELF_INSTRUCT, b], self_instruct=lambda: written)
+    assert [source for source, _ in parts] == [a, SELF_INSTRUCT, b]
+    assert [r.id for r in concat_sources(parts)] == ["a0", "a1", "self_instruct-00000", "b0"]
+    assert concat_sources(load_sources([a, SELF_INSTRUCT, b])) == load_prompts(a) + load_prompts(b)
+
+
+def test_sources_refuse_an_id_in_two_of_them_and_name_a_bad_one(tmp_path):
+    a = str(write_jsonl(tmp_path / "a.jsonl", [{"id": "a0", "prompt": "first"}, {"id": "x", "prompt": "second"}]))
+    b = str(write_jsonl(tmp_path / "b.jsonl", [{"id": "x", "prompt": "another prompt"}]))
+    with pytest.raises(ValueError, match=rf"prompt id 'x' is in both {re.escape(a)} and {re.escape(b)}"):
+        concat_sources(load_sources([a, b]))
+    with pytest.raises(ValueError, match="prompt id 'writing-001' is in both builtin:train and builtin;"):
+        concat_sources(load_sources(["builtin:train", "builtin"]))
+    with pytest.raises(ValueError, match=r"^data.prompts\[1\] \(builtin:long_input\): unknown builtin split"):
+        load_sources([a, "builtin:long_input"])
+    with pytest.raises(FileNotFoundError, match=r"^data.prompts\[0\] \(gone.jsonl\): prompt file not found"):
+        load_sources(["gone.jsonl", a])
+    with pytest.raises(FileNotFoundError, match=r"^prompt file not found: gone.jsonl$"):  # one source: as before
+        load_sources("gone.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------------------------
