@@ -210,6 +210,18 @@ def draft_labels(student: Eagle3Draft, labels: Tensor) -> tuple[Tensor, Tensor]:
 # The training-time-test loss
 
 
+class TTTCache:
+    """An `Eagle3Cache` behind a plain object, for the unroll: FSDP2's forward hook rebuilds a dataclass argument
+    that holds tensors requiring grad (`replace_grad_tensors`), so the keys a step appends would land in a copy and
+    the next step would see the step-0 keys only."""
+
+    def __init__(self):
+        self.cache = Eagle3Cache()
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cache.append(k, v)
+
+
 def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int):
     """Yield (step j, draft logits (B, T, Vd)) of the training-time-test unroll: aux (B, T, 3H) are the teacher's
     states of the batch's tokens, embeds (B, T, H) their embeddings. Row t of step j sits at position t + j, reads
@@ -217,7 +229,7 @@ def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int):
     of steps 1..j of row t: what a chain draft computes at inference for its (j + 1)-th token after token t + 1."""
     B, T, _ = embeds.shape
     position = torch.arange(T, device=embeds.device).expand(B, T)
-    hidden, cache = aux, Eagle3Cache()
+    hidden, cache = aux, TTTCache()
     for j in range(depth):
         logits, hidden = student(hidden, shift(embeds, 1 + j, 0.0), position + j, cache, ttt_mask(T, j, embeds.device))
         yield j, logits

@@ -55,10 +55,13 @@ def test_presets_required_by_the_project_exist():
     assert {"cpu_2proc.yaml", "single_gpu.yaml", "ddp.yaml", "fsdp.yaml"} <= acc
 
 
-def test_quickstart_has_two_candidates_and_the_embedded_target():
-    cfg = load_config(CONFIGS / "quickstart.yaml")
-    assert cfg.target.model == "embedded:smollm2-135m-instruct"
-    assert len(cfg.candidates) >= 2
+def test_quickstart_and_embedded_best_compare_an_eagle3_head_with_a_standalone_draft():
+    for name in ("quickstart.yaml", "embedded-best.yaml"):
+        cfg = load_config(CONFIGS / name)
+        assert cfg.target.model == "embedded:smollm2-135m-instruct"
+        kinds = {c.overrides.get("draft.init", cfg.draft.init) for c in cfg.candidates}
+        assert "eagle3" in kinds and kinds - {"eagle3"}, (name, kinds)
+        assert cfg.serving.temperature in cfg.eval.temperatures
 
 
 def test_overrides_apply_with_types(tmp_path):

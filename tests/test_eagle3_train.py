@@ -1,24 +1,34 @@
 """`draft.init: eagle3` through the distillation recipe: trains, writes best/ in the export layout, resumes exactly
 with its stored vocabulary, trains from the offline cache's aux hidden states, exports as a copy with its card, runs
-next to a standalone candidate from `specdistill distill`, and takes the same steps on 2 CPU processes."""
+next to a standalone candidate from `specdistill distill`, stops on a NaN loss and logs to offline W&B.
+
+On 2 CPU processes (gloo), against one module-scoped one-process run of 3 steps: DDP, FSDP2 (accelerate's plugin with
+configs/accelerate/fsdp.yaml) and DeepSpeed ZeRO-2 take the same steps and resume from a stop after 2; bf16 (FSDP2,
+DeepSpeed, and autocast in one process) resumes bit for bit; a SIGKILLed launch resumes to the same result."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
+import psutil
 import pytest
 import torch
 import yaml
 from helpers import (
     TESTS,
+    accelerate_launcher,
     assert_same_logs,
     assert_same_weights,
     final_weights,
     metric_rows,
+    offline_run,
     reference_run,
     train_config,
 )
@@ -154,13 +164,24 @@ def test_specdistill_distill_trains_both_kinds_in_one_run(tmp_path, isolated_cac
     assert "draft vocabulary of 64 of 259 tokens covers" in proc.stdout
 
 
-@pytest.mark.slow
-def test_two_processes_train_an_eagle3_head_like_one_process(straight):
-    """DDP on 2 CPU processes (gloo), one micro-batch of 2 each, against the one-process run with 2 micro-batches of
-    2: the same global batch and token normalisation, so the same steps; stopped after 2 steps and resumed."""
-    root, data, single = straight
-    out = root / "ddp"
-    script = out.with_suffix(".py")
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+
+# accelerate turns FSDP on only for a multi-accelerator launch: on the CPU every process is MULTI_CPU and an FSDP
+# launcher config trains plain DDP. The child calls its gloo launch MULTI_GPU before the recipe's Accelerator exists,
+# so accelerate's FSDP plugin (fsdp.yaml's settings: FSDP2, TRANSFORMER_BASED_WRAP, CPU-RAM-efficient loading)
+# shards the head as it would on GPUs.
+FSDP_ON_CPU = """
+from accelerate import PartialState
+from accelerate.utils import DistributedType
+PartialState(cpu=True).distributed_type = DistributedType.MULTI_GPU
+"""
+
+
+def child_script(root, data, runs: dict, *overrides: str, prelude: str = "") -> tuple[list[str], dict]:
+    """(script arguments for a launcher, environment) of a script that distills the EAGLE-3 `draft` of each output
+    folder in `runs` once per train.max_steps its value lists (its strings: overrides of that folder's runs), 1
+    micro-batch of 2 per process unless `overrides` say otherwise; `prelude` runs before the first."""
+    script = next(iter(runs)).with_suffix(".py")
     script.write_text(
         textwrap.dedent(f"""
         import sys
@@ -169,19 +190,183 @@ def test_two_processes_train_an_eagle3_head_like_one_process(straight):
         from distill.data import TeacherData
         from helpers import train_config
         from specdistill.pipeline import distill_candidate
-
+        """)
+        + textwrap.dedent(prelude)
+        + textwrap.dedent(f"""
         data = TeacherData(Path({str(data.train)!r}), Path({str(data.eval)!r}))
-        for steps in (2, 3):
-            cfg = train_config(Path({str(out)!r}), *{(*EAGLE3, *COMMON)!r}, f"train.max_steps={{steps}}")
-            distill_candidate(cfg, "draft", data)
-    """)
+        for out, spec in {[(str(out), spec) for out, spec in runs.items()]!r}:
+            settings = [*{(*EAGLE3, *COMMON, *overrides)!r}, *(s for s in spec if isinstance(s, str))]
+            for max_steps in [s for s in spec if isinstance(s, int)]:
+                distill_candidate(train_config(Path(out), *settings, f"train.max_steps={{max_steps}}"), "draft", data)
+        """)
     )
-    env = os.environ | {"SPECDISTILL_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    env = os.environ | {"SPECDISTILL_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return [str(script)], env
+
+
+def run_two(root, data, runs: dict, *overrides, launcher=TORCHRUN, prelude: str = "") -> str:
+    """Run `child_script` on 2 CPU processes (gloo) and return its stdout."""
+    args, env = child_script(root, data, runs, *overrides, prelude=prelude)
+    proc = subprocess.run([sys.executable, *launcher, *args], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "resumed draft from" in proc.stdout
-    ddp = out / "candidates" / "draft"
-    assert '"world_size": 2' in (ddp / "checkpoints" / "step-000003" / "trainer_state.json").read_text()
-    assert_same_logs(metric_rows(ddp), metric_rows(single))
-    assert_same_weights(final_weights(ddp, 3), final_weights(single, 3))
+    return proc.stdout
+
+
+def assert_like_straight(cand, single) -> None:
+    """The same logged steps, validation metrics and final weights as the one-process run."""
+    assert '"world_size": 2' in (cand / "checkpoints" / "step-000003" / "trainer_state.json").read_text()
+    assert_same_logs(metric_rows(cand), metric_rows(single))
+    assert_same_weights(final_weights(cand, 3), final_weights(single, 3))
+
+
+def assert_bf16_resumes_exactly(straight_bf16, resumed, single, dtype: torch.dtype) -> None:
+    """A bf16 run stopped after 2 steps and resumed ends bit for bit where a straight bf16 one does; its checkpoint
+    weights are `dtype`; its losses are finite and near, but not equal to, the fp32 run's (bf16 did round)."""
+    weights = final_weights(resumed, 3)
+    assert {w.dtype for w in weights.values() if w.is_floating_point()} == {dtype}
+    assert_same_logs(metric_rows(resumed), metric_rows(straight_bf16))
+    assert_same_weights(weights, final_weights(straight_bf16, 3), atol=0)
+    losses, fp32 = ([r["train/loss"] for r in metric_rows(c) if "train/loss" in r] for c in (resumed, single))
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert losses != fp32 and losses == pytest.approx(fp32, rel=0.1)
+
+
+@pytest.mark.slow
+def test_two_processes_train_an_eagle3_head_like_one_process(straight):
+    """DDP on 2 CPU processes (gloo), one micro-batch of 2 each, against the one-process run with 2 micro-batches of
+    2: the same global batch and token normalisation, so the same steps; stopped after 2 steps and resumed."""
+    root, data, single = straight
+    assert "resumed draft from" in run_two(root, data, {root / "ddp": (2, 3)})
+    assert_like_straight(root / "ddp" / "candidates" / "draft", single)
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_an_eagle3_head_over_two_processes_like_one_process(straight):
+    """configs/accelerate/fsdp.yaml on 2 CPU processes: accelerate's FSDP2 plugin shards the head (and, with
+    train.shard_teacher=auto, the teacher); checkpoints and best/ hold the gathered full state, the steps are those
+    of one process to the usual float tolerance (FSDP reduce-scatters where one process sums), and a stop after 2
+    steps resumes, in the same process, from the full optimizer state. In bf16 (FSDP2's MixedPrecisionPolicy: bf16
+    compute, fp32 gradient reduction and sharded fp32 weights) a resumed run ends exactly where a straight one does."""
+    root, data, single = straight
+    bf16 = "train.mixed_precision=bf16"
+    runs = {root / "fsdp": (2, 3), root / "fsdp-bf16-straight": (3, bf16), root / "fsdp-bf16": (2, 3, bf16)}
+    stdout = run_two(root, data, runs, launcher=accelerate_launcher("fsdp.yaml"), prelude=FSDP_ON_CPU)
+    assert stdout.count("resumed draft from") == 2
+    assert stdout.count("teacher sharded over 2 processes (FSDP2)") == 5  # accelerate ran FSDP, every time
+    fsdp, straight_bf16, resumed = (out / "candidates" / "draft" for out in runs)
+    assert_like_straight(fsdp, single)
+    best, ref = load_file(fsdp / "best" / "model.safetensors"), load_file(single / "best" / "model.safetensors")
+    assert best.keys() == ref.keys() and best["lm_head.weight"].shape == (48, 64)
+    assert_bf16_resumes_exactly(straight_bf16, resumed, single, torch.float32)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_trains_an_eagle3_head_and_resumes_like_one_process(straight):
+    """configs/accelerate/deepspeed_zero2.yaml on 2 CPU processes, 2 accumulated micro-batches of 1 each: each rank
+    checkpoints its ZeRO partition, and a stop after 2 steps resumes from it to the one-process steps."""
+    root, data, single = straight
+    accum = ("train.batch_size=1", "train.grad_accum=2")
+    stdout = run_two(root, data, {root / "zero2": (2, 3)}, *accum, launcher=accelerate_launcher("deepspeed_zero2.yaml"))
+    assert "resumed draft from" in stdout
+    zero2 = root / "zero2" / "candidates" / "draft"
+    step = zero2 / "checkpoints" / "step-000003"
+    assert sorted(p.name for p in step.glob("optimizer*")) == ["optimizer-zero-rank000.pt", "optimizer-zero-rank001.pt"]
+    assert_like_straight(zero2, single)
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_eagle3_head_resumes_exactly_from_its_fp32_masters(straight):
+    """train.mixed_precision=bf16 under DeepSpeed: the head, its aux states and embeddings run in bf16 (the
+    checkpoint's weights are bf16) with fp32 masters in the ZeRO partitions; a stop-and-resume run ends exactly
+    where a straight one does, with finite losses."""
+    root, data, single = straight
+    runs = {root / "bf16-straight": (3,), root / "bf16-resumed": (2, 3)}
+    run_two(root, data, runs, "train.mixed_precision=bf16", launcher=accelerate_launcher("deepspeed_zero2.yaml"))
+    straight_bf16, resumed = (out / "candidates" / "draft" for out in runs)
+    assert_bf16_resumes_exactly(straight_bf16, resumed, single, torch.bfloat16)
+
+
+def test_bf16_autocast_trains_an_eagle3_head_and_resumes_exactly(straight, tmp_path):
+    """train.mixed_precision=bf16 with one CPU process: accelerate autocasts the head's matmuls to bf16 and keeps
+    fp32 weights; a run stopped after 2 steps resumes to where a straight one ends."""
+    from specdistill.pipeline import distill_candidate
+
+    root, data, single = straight
+    settings = (*EAGLE3, *COMMON, "train.grad_accum=2", "train.mixed_precision=bf16")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
+        for out, steps in ((tmp_path / "straight", (3,)), (tmp_path / "resumed", (2, 3))):
+            for max_steps in steps:
+                distill_candidate(train_config(out, *settings, f"train.max_steps={max_steps}"), "draft", data)
+    straight_bf16, resumed = (tmp_path / name / "candidates" / "draft" for name in ("straight", "resumed"))
+    assert_bf16_resumes_exactly(straight_bf16, resumed, single, torch.float32)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_two_process_eagle3_run_resumes_to_the_same_result(straight):
+    """Both processes of a torchrun launch SIGKILLed between steps (rank 0 pauses after its first checkpoint, rank
+    1 waits for it); a new 2-process launch resumes from step 1 and ends where the one-process straight run does."""
+    root, data, single = straight
+    out = root / "killed"
+    pause = """
+    import time
+    import train.checkpoint
+    save = train.checkpoint.save_checkpoint
+    def save_then_wait(*args, **kwargs):
+        path = save(*args, **kwargs)
+        time.sleep(120)
+        return path
+    train.checkpoint.save_checkpoint = save_then_wait
+    """
+    args, env = child_script(root, data, {out: (3,)}, prelude=pause)
+    child = subprocess.Popen([sys.executable, *TORCHRUN, *args], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)  # fmt: skip
+    cand = out / "candidates" / "draft"
+    marker = cand / "checkpoints" / "step-000001" / "COMPLETE"
+    deadline = time.monotonic() + 180
+    while not marker.is_file() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = child.poll() is None
+    if alive:  # the launcher, then both workers (torchrun starts each in a session of its own), by pid: a lost node
+        for pid in [child.pid, *(p.pid for p in psutil.Process(child.pid).children(recursive=True))]:
+            os.kill(pid, signal.SIGKILL)
+    log = child.communicate(timeout=30)[0].decode()
+    assert marker.is_file() and alive, log[-3000:]
+    assert not (cand / "DONE").exists() and not (cand / "checkpoints" / "step-000002").exists()
+
+    stdout = run_two(root, data, {out: (3,)})
+    assert f"resumed draft from {cand / 'checkpoints' / 'step-000001'}" in stdout
+    assert_like_straight(cand, single)
+    assert (cand / "DONE").is_file()
+
+
+def test_a_non_finite_eagle3_loss_stops_and_keeps_the_last_good_checkpoint(straight, tmp_path):
+    from specdistill.pipeline import distill_candidate
+    from train.loop import NonFiniteLossError
+
+    root, data, _ = straight
+    settings = ("train.lr=1e30", "train.warmup_steps=0", "train.max_grad_norm=0", "train.max_steps=4")
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(NonFiniteLossError, match=r"at step 2;.*step-000001"):
+        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
+        distill_candidate(train_config(tmp_path, *EAGLE3, *settings, "train.keep_last=5"), "draft", data)
+    cand = tmp_path / "candidates" / "draft"
+    assert sorted(p.name for p in (cand / "checkpoints").iterdir()) == ["step-000001"]
+    assert max(r["step"] for r in metric_rows(cand)) == 1 and not (cand / "DONE").exists()
+
+
+def test_an_eagle3_run_logs_its_validation_metrics_to_offline_wandb(straight, tmp_path):
+    from specdistill.pipeline import distill_candidate
+
+    root, data, _ = straight
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
+        cfg = train_config(tmp_path / "run", *EAGLE3, "tracking.backend=wandb", "tracking.mode=offline")
+        cand = distill_candidate(cfg, "draft", data)
+    history, artifacts, _ = offline_run(cand)
+    logged = {(r["_step"], key): value for r in history for key, value in r.items() if not key.startswith("_")}
+    final = metric_rows(cand)[-1]
+    for key in ("eval/simulated_tau", "eval/simulated_tau_greedy", "eval/expected_acceptance_2",
+                "eval/greedy_match_1", "eval/draft_vocab_coverage", "eval/loss"):  # fmt: skip
+        assert logged[(2, key)] == pytest.approx(final[key]), key
+    assert (1, "train/grad_norm") in logged and (1, "eval/simulated_tau") in logged
+    assert [(a.name, a.type) for a in artifacts] == [("run-draft-best", "model")]

@@ -5,64 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import struct
-import time
 from pathlib import Path
 
-from google.protobuf.message import DecodeError
-from helpers import make_report, tiny_setup, train_config
+from helpers import make_report, offline_run, tiny_setup, train_config
 
 from eval.report import TRACKER_COLUMNS, write_reports
 from train.config import TrackingConfig
 from train.tracking import NoOpTracker, is_secret_key, make_tracker, resolve_mode, strip_secrets
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def read_wandb_records(run_file: Path) -> list:
-    """Records of a `.wandb` transaction log: a 7-byte header, then LevelDB-log framed protobuf `Record`s in 32 KiB
-    blocks (chunk header: crc32 u32, length u16, type u8 with 1 = full, 2 = first, 3 = middle, 4 = last)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = run_file.read_bytes()
-    assert data[:4] == b":W&B"
-    records, pending, pos, block = [], b"", 7, 32768
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
-
-
-def offline_run(run_dir: Path, timeout: float = 60.0) -> tuple[list[dict], list, bytes]:
-    """(history rows, artifact records, raw bytes) of the single offline W&B run under `run_dir`.
-
-    `run.finish()` can return before wandb-core has flushed the transaction log, so wait for its exit record.
-    """
-    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            records = read_wandb_records(run_file)
-        except DecodeError:  # a record still being written
-            records = []
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    history = [
-        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-        for r in records
-        if r.WhichOneof("record_type") == "history"
-    ]
-    artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
-    return history, artifacts, run_file.read_bytes()
 
 
 def test_secret_keys_are_recognised_without_dropping_token_counts():

@@ -52,6 +52,23 @@ def process_group_kwargs(timeout_minutes: float, *, gloo: bool = False) -> list[
     ]
 
 
+def reset_accelerator_state() -> None:
+    """Drop this process's AcceleratorState before a recipe creates its Accelerator; the process group
+    (PartialState) stays. accelerate keeps one AcceleratorState per process and refuses an Accelerator with other
+    settings (a second candidate with another mixed_precision). A private accelerate call, checked with accelerate
+    1.15; GradientState takes the new accumulation.
+
+    accelerate also writes the state's type into PartialState, and a new AcceleratorState reads it back: FSDP there
+    skips the branch that sets up the FSDP plugin (`state.fsdp_plugin` missing, a crash in `prepare`). The launch's
+    own type, the one that branch turns into FSDP, is put back."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    if PartialState._shared_state.get("distributed_type") == DistributedType.FSDP:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
 def fsdp_plugin(mixed_precision: str):
     """The FSDP plugin of an `accelerate launch` with an FSDP config file (None without one), from the launcher's
     settings as accelerate would build it, except that in bf16 FSDP2 reduces gradients in fp32.
@@ -88,6 +105,22 @@ def global_norm(norm: Tensor | float) -> float:
     from torch.distributed.tensor import DTensor
 
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def prepare(accelerator: Accelerator, student: nn.Module, optimizer, tc: TrainConfig) -> tuple:
+    """accelerator.prepare(student, optimizer), then `check_grad_accum` (DeepSpeed's config may replace it here).
+
+    FSDP2's CPU-RAM-efficient loading (fsdp.yaml) moves the student to the meta device and broadcasts rank 0's state
+    dict into the shards, and it handles parameters only: a persistent buffer (an EAGLE-3 head's d2t / t2d) fails
+    with "'Tensor' object has no attribute 'device_mesh'". Every process builds the same full student (seeded), so
+    such a student is sharded from its own copy instead."""
+    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
+    params = {name for name, _ in student.named_parameters(remove_duplicate=False)}
+    if plugin is not None and set(student.state_dict()) - params:
+        plugin.cpu_ram_efficient_loading = False
+    prepared = accelerator.prepare(student, optimizer)
+    check_grad_accum(accelerator, tc)
+    return prepared
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -40,7 +40,6 @@ import numpy as np
 import torch
 import yaml
 from accelerate import Accelerator, PartialState
-from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, gather_object, set_seed
 from peft import PeftModel
 from torch import Tensor
@@ -154,10 +153,7 @@ class DistillRecipe:
         if self.deepspeed:
             distributed.check_deepspeed_device(target_device)
         handlers = distributed.process_group_kwargs(tc.timeout_minutes, gloo=self.deepspeed and not on_cuda)
-        # accelerate keeps one AcceleratorState per process and refuses an Accelerator with other settings (a second
-        # candidate with another mixed_precision): each recipe starts its own; the process group (PartialState)
-        # stays. A private accelerate call, checked with accelerate 1.15; GradientState takes the new accumulation.
-        AcceleratorState._reset_state(reset_partial_state=False)
+        distributed.reset_accelerator_state()  # each recipe (candidate, resumed run) starts its own Accelerator
         self.accelerator = acc = Accelerator(
             gradient_accumulation_steps=tc.grad_accum,
             mixed_precision=precision,
@@ -305,8 +301,7 @@ class DistillRecipe:
         chunk_head = (
             not self.eagle3 and self.dc.chunked_head and not self.fsdp and chunked_head(self.student) is not None
         )
-        self.student, self.prepared_optimizer = acc.prepare(self.student, self.optimizer)
-        distributed.check_grad_accum(acc, self.tc)  # DeepSpeed's config may have replaced it in prepare
+        self.student, self.prepared_optimizer = distributed.prepare(acc, self.student, self.optimizer, self.tc)
         self.head = acc.unwrap_model(self.student).get_output_embeddings().weight if chunk_head else None
         if ckpt is not None:
             saved, ds = ckpt.optimizer, self.deepspeed
