@@ -268,14 +268,15 @@ def distill_loss(
     fn = functools.partial(_chunk_sums, names=names, kd_temperature=kd_temperature, beta=beta)
     recompute = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (student, lm_head_weight))
     sums = []
-    for start in range(0, max(N, 1), chunk_size):
-        chunk = [None if x is None else x[start : start + chunk_size] for x in tensors]
-        chunk.append(lm_head_weight)
+    # split(), not one slice per chunk: a slice's backward writes its gradient into a zero-filled (N, V) tensor per
+    # chunk (N / chunk_size full-size fills and adds), split's backward concatenates the chunks' gradients once.
+    pieces = [[None] * len(range(0, max(N, 1), chunk_size)) if x is None else x.split(chunk_size) for x in tensors]
+    teacher_pieces = teacher_logits.split(chunk_size) if teacher_logits is not None else None
+    for c, chunk in enumerate(zip(*pieces)):
         # The teacher's logits are bound, not passed: a checkpoint saves its inputs, and the teacher's (made under
         # inference_mode, never requiring grad) then need no full-size copy.
-        bound = functools.partial(
-            fn, teacher_logits=None if teacher_logits is None else teacher_logits[start : start + chunk_size]
-        )
+        bound = functools.partial(fn, teacher_logits=None if teacher_pieces is None else teacher_pieces[c])
+        chunk = [*chunk, lm_head_weight]
         sums.append(checkpoint(bound, *chunk, use_reentrant=False) if recompute else bound(*chunk))
     total = torch.stack(sums).sum(0)  # (len(names),)
 

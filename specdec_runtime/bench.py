@@ -32,7 +32,7 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from .ab import capture_graphs, decode_s_per_token, paired_metrics, paired_runs, paired_speedup, pooled
-from .cpu import CPU_BACKEND, cpu_model, draft_dtype
+from .cpu import CPU_BACKEND, cpu_eagle3, cpu_model, draft_dtype
 from .eagle3 import Eagle3Draft
 from .engine import generate
 from .llama import Llama
@@ -44,9 +44,12 @@ from .sampling import DraftRule, SamplingParams
 def fast_model(model: torch.nn.Module, cpu_fast_path: bool = True, draft: bool = False) -> torch.nn.Module:
     """The compact bf16 model for a Llama checkpoint on CUDA; on the CPU the compact model's fast CPU path
     (`cpu.cpu_model`: fp32 for a target, `cpu.draft_dtype()` for a draft) unless cpu_fast_path is False; any other
-    model is returned as is (an EAGLE-3 head always: the engine pairs it with the target's state)."""
+    model is returned as is. An EAGLE-3 head stays an `Eagle3Draft` (the engine pairs it with the target's state): on
+    the CPU fast path with its linears laid out once (`cpu.cpu_eagle3`, `cpu.draft_dtype()`), elsewhere as it is."""
     if isinstance(model, Eagle3Draft):
-        return model
+        on_cpu = model.fc.weight.device.type == "cpu"
+        fast = on_cpu and cpu_fast_path and not getattr(model, "cpu_fast", False)
+        return cpu_eagle3(model, draft_dtype()) if fast else model
     if model.device.type == "cuda" and model.config.model_type == "llama":
         return Llama.from_hf(model, dtype=torch.bfloat16)
     if model.device.type == "cpu" and cpu_fast_path and isinstance(model, LlamaForCausalLM):

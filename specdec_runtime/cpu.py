@@ -21,13 +21,15 @@ engine drives it through the same `StaticState` as on CUDA; `cpu_model(hf)` is w
     draft = cpu_model(hf_draft, dtype=torch.bfloat16)   # a draft may trade numerics for speed
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .llama import Llama, LlamaArgs
 
-__all__ = ["CPU_BACKEND", "CpuAttention", "CpuMLP", "FusedLinear", "cpu_model", "draft_dtype"]
+__all__ = ["CPU_BACKEND", "CpuAttention", "CpuMLP", "FusedLinear", "cpu_eagle3", "cpu_model", "draft_dtype"]
 
 CPU_BACKEND = "compact-static-cache+cpu-fused"
 """`settings.backend` of a run on the CPU fast path."""
@@ -152,3 +154,18 @@ def cpu_model(hf_model: nn.Module, dtype: torch.dtype = torch.float32) -> Llama:
     model.lm_head = FusedLinear([model.lm_head], dtype, gemv=False)
     model.cpu_fast = True
     return model.eval()
+
+
+def cpu_eagle3(head: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of an EAGLE-3 head (`eagle3.Eagle3Draft`) for the CPU fast path: each of its linears (fc, q/k/v/o,
+    gate/up/down, the draft-vocabulary lm_head) laid out once as a `FusedLinear` in `dtype`, so no GEMM repacks its
+    weight per draft step; norms, rope and the vocabulary maps stay as they are. The engine's state reads its dtype
+    from `fc.weight`, so the head's caches and pre-norm states follow `dtype` (a draft's numerics may change; exact
+    verification makes the output the target's either way). The head given is left untouched."""
+    fast = copy.deepcopy(head)
+    for module in list(fast.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, FusedLinear([child], dtype))
+    fast.cpu_fast = True
+    return fast.eval()

@@ -258,6 +258,12 @@ class Eagle3Draft(nn.Module):
     def target_vocab(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the head computes in: its fc's (a `cpu.cpu_eagle3` copy's linears keep it next to a packed
+        weight whose layout is oneDNN's)."""
+        return getattr(self.fc, "dtype", None) or self.fc.weight.dtype
+
     def aux_layers(self, num_target_layers: int) -> list[int]:
         """The target layers this draft reads: the config's ids, or the engines' default when it names none."""
         return self.export_config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(num_target_layers)
@@ -331,8 +337,8 @@ def first_step_logits(draft: Eagle3Draft, target, input_ids: Tensor) -> Tensor:
     draft vocabulary. What `expected_acceptance` compares with the target's logits offline."""
     L = target.config.num_hidden_layers
     _, aux = target_aux_forward(target, input_ids, draft.aux_layers(L))
-    w = draft.fc.weight
-    logits, _ = draft(aux[:, :-1].to(w.dtype), embed(target, input_ids[:, 1:]).to(w.dtype), _positions(input_ids))
+    dtype = draft.compute_dtype
+    logits, _ = draft(aux[:, :-1].to(dtype), embed(target, input_ids[:, 1:]).to(dtype), _positions(input_ids))
     logits = torch.cat([torch.zeros_like(logits[:, :1]), logits], 1)  # (B, T, Vd)
     return to_target_logits(logits.float(), draft.d2t, draft.target_vocab)
 

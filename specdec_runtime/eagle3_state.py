@@ -195,13 +195,13 @@ class Eagle3State:
 
     def __init__(self, draft: Eagle3Draft, target: AuxTargetState, embed: nn.Embedding, batch_size: int, max_len: int):
         self.model, self.target, self.embed = draft, target, embed
-        cfg, w = draft.config, draft.fc.weight
+        cfg, dtype, dev = draft.config, draft.compute_dtype, draft.norm.weight.device
         self.S = max_len + 1  # slot r holds row r; the last slot is the trash slot of holes
         shape = (batch_size, self.S, cfg.num_key_value_heads, cfg.head_dim)
-        self.k, self.v = w.new_zeros(shape), w.new_zeros(shape)
-        self.pre = w.new_zeros(batch_size, self.S, cfg.hidden_size)  # (B, S, H) pre-norm output of each row
-        self.tokens = torch.zeros(batch_size, self.S, dtype=torch.long, device=w.device)  # token at each position
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=w.device)  # tokens fed = the engine's view
+        self.k, self.v = torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev)
+        self.pre = torch.zeros(batch_size, self.S, cfg.hidden_size, dtype=dtype, device=dev)  # (B, S, H) pre-norm
+        self.tokens = torch.zeros(batch_size, self.S, dtype=torch.long, device=dev)  # token at each position
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=dev)  # tokens fed = the engine's view
         self.rows = torch.zeros_like(self.lengths)  # rows 0..rows-1 are in the cache
         self.fed = torch.zeros_like(self.lengths)  # rows 0..fed-1 were fed target features
         self.segment = 0  # uncommitted tree rows, in the slots after each row's `rows`
@@ -217,9 +217,11 @@ class Eagle3State:
 
     def _hidden(self, r: Tensor, from_target: Tensor) -> Tensor:
         """Rows r (B, R) -> their hidden states (B, R, H): fc(target features of r), or row r - 1's pre-norm."""
-        w = self.model.fc.weight
         own = self.pre.gather(1, (r - 1).clamp_min(0)[..., None].expand(-1, -1, self.pre.shape[-1]))
-        return torch.where(from_target[..., None], self.model.fc(self.target.features(r).to(w.dtype)), own)
+        if not bool(from_target.any()):  # a drafting step: fc (3H -> H) would be computed for nothing
+            return own
+        features = self.target.features(r).to(self.model.compute_dtype)
+        return torch.where(from_target[..., None], self.model.fc(features), own)
 
     def extend(self, tokens: Tensor, counts: Tensor, last_only: bool = False) -> Tensor:
         if not last_only:

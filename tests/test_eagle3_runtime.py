@@ -17,8 +17,8 @@ from helpers import LLAMA_PROMPTS, assert_same_up_to_ties, chi_square_pvalue, gp
 import specdec_runtime.eagle3_state as eagle3_state
 import specdec_runtime.engine as engine
 import specdec_runtime.tree_step as tree_step
-from specdec_runtime.bench import format_bench_table, run_bench
-from specdec_runtime.cpu import cpu_model
+from specdec_runtime.bench import fast_model, format_bench_table, run_bench
+from specdec_runtime.cpu import FusedLinear, cpu_eagle3, cpu_model, draft_dtype
 from specdec_runtime.eagle3 import (
     Eagle3Cache,
     Eagle3Draft,
@@ -138,12 +138,14 @@ def replay_chains(target, draft, prompts, steps: list[torch.Tensor], gamma: int,
     return [s[len(p) :][:max_new] for s, p in zip(seqs, prompts)]
 
 
-@pytest.mark.parametrize("backend", ["hf", "compact"])
+@pytest.mark.parametrize("backend", ["hf", "compact", "cpu-fast"])
 def test_every_drafted_token_matches_the_reference(pair, monkeypatch, backend):
+    """cpu-fast: the CPU fast path's target and head (fp32 here, so its proposals are the reference's)."""
     target, draft = pair
     steps = record_chains(monkeypatch)
-    model = target if backend == "hf" else Llama.from_hf(target)
-    result = generate(model, draft, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=16)
+    model = {"hf": lambda: target, "compact": lambda: Llama.from_hf(target), "cpu-fast": lambda: cpu_model(target)}
+    fast = cpu_eagle3(draft, torch.float32) if backend == "cpu-fast" else draft
+    result = generate(model[backend](), fast, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=16)
     assert result.tokens == replay_chains(target, draft, LLAMA_PROMPTS, steps, 3, 16)
     accepted = torch.cat([torch.tensor([forced_accepts(r, 3) for r in x.tolist()]) for x in steps])
     assert {0, 3} <= set(accepted.tolist())  # rejections and all-accepted steps (bonus + refeed) both happened
@@ -243,10 +245,33 @@ def test_greedy_output_equals_target_only_greedy(pair, tree, backend):
     want_stop = hf_greedy(target, LLAMA_PROMPTS, 20, eos=stop)
     model = {"hf": lambda: target, "compact": lambda: Llama.from_hf(target), "cpu-fast": lambda: cpu_model(target)}
     model = model[backend]()
+    if backend == "cpu-fast":  # what eval and bench run on the CPU: the head in the machine's draft dtype
+        draft = fast_model(draft, draft=True)
+        assert draft.cpu_fast and draft.fc.weight.dtype == draft_dtype()
     for stop_ids, expected in (((), want), ((stop,), want_stop)):
         got = generate(model, draft, LLAMA_PROMPTS, num_draft_tokens=4, max_new_tokens=20, stop_token_ids=stop_ids,
                        tree=tree)  # fmt: skip
         assert got.tokens == expected, (tree, stop_ids)
+
+
+def test_the_cpu_fast_head_computes_what_the_head_computes(pair):
+    """cpu_eagle3 lays out every linear once and changes nothing else: fp32 logits and pre-norm outputs match the
+    head's; in the machine's draft dtype (bf16 where oneDNN has it) within its rounding. The head given is kept."""
+    target, draft = pair
+    H = target.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    hidden, embeds = torch.randn(2, 5, 3 * H, generator=gen), torch.randn(2, 5, H, generator=gen)
+    positions = torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        want_logits, want_pre = draft(hidden, embeds, positions)
+        for dtype, tol in ((torch.float32, 1e-5), (draft_dtype(), 0.1)):
+            fast = cpu_eagle3(draft, dtype)
+            assert not any(isinstance(m, torch.nn.Linear) for m in fast.modules())
+            assert sum(isinstance(m, FusedLinear) for m in fast.modules()) == 9  # fc, q, k, v, o, gate, up, down, head
+            logits, pre = fast(hidden, embeds.to(dtype), positions)
+            torch.testing.assert_close(logits.float(), want_logits, atol=tol, rtol=tol)
+            torch.testing.assert_close(pre.float(), want_pre, atol=tol, rtol=tol)
+    assert any(isinstance(m, torch.nn.Linear) for m in draft.modules()) and not getattr(draft, "cpu_fast", False)
 
 
 # ---------------------------------------------------------------------------------------- distribution at T > 0
