@@ -36,10 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-EAGLE3 = [
+EAGLE3 = [  # the quickstart's head (run it with --batch-size 4 as the quickstart does)
     "draft.init=eagle3",
     "draft.draft_vocab_size=8192",
-    "draft.ttt_depth=2",
+    "draft.ttt_depth=3",
+    "draft.freeze_lm_head=true",
     "train.lr=1e-3",
 ]
 VARIANTS = {
