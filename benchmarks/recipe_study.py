@@ -105,7 +105,8 @@ def subset(train: Path, fraction: float, out: Path) -> tuple[Path, int]:
     path = out / f"train-{fraction:g}"
     if not (path / COMPLETE).is_file():
         ds.select(range(n)).save_to_disk(str(path))
-        (path / COMPLETE).write_text("")  # the marker `load_teacher_data` asks of a finished dataset
+        # the marker `load_teacher_data` asks of a finished dataset, with the summary (its aux layers) of the whole
+        (path / COMPLETE).write_text((Path(train) / COMPLETE).read_text())
     part = load_teacher_data(path)
     tokens = sum(len(ids) - p for ids, p in zip(part["input_ids"], part["prompt_len"]))
     return path, tokens
