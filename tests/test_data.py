@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -470,3 +471,22 @@ def test_builtin_roles_pass_the_check_and_validation_as_test_is_refused():
         check_test_prompts(cfg, load_prompts("builtin:validation"), "builtin:validation")
     with pytest.raises(ValueError, match="share 5 with the training prompts"):
         check_test_prompts(cfg, load_prompts("builtin:train")[:5], "builtin:train")
+
+
+def test_the_top_k_cache_is_scored_a_few_rows_at_a_time_with_the_same_arrays(monkeypatch):
+    """`_teacher_topk` bounds its peak memory by scoring SCORE_ROWS rows per forward; the per-row arrays are those of
+    one forward over every row (right padding to another length changes no logit a row keeps)."""
+    from helpers import tiny_llama
+
+    teacher = tiny_llama(seed=3, layers=3)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 64, (int(n),), generator=gen).tolist() for n in torch.randint(6, 20, (11,), generator=gen)]
+    prompt_lens = [max(2, len(s) // 2 - i % 3) for i, s in enumerate(seqs)]
+    monkeypatch.setattr(data, "SCORE_ROWS", 4)
+    chunked = data._teacher_topk(teacher, seqs, prompt_lens, 5, [1, 2, 2])
+    whole = data._score_rows(teacher, seqs, prompt_lens, 5, [1, 2, 2])
+    for got, want in zip(chunked, whole):
+        assert len(got) == len(want) == len(seqs)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), atol=2e-3)
