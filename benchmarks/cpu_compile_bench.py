@@ -79,19 +79,14 @@ STEPS = {"decode": ("target", 1), "verify4": ("target", 4), "verify8": ("target"
 
 
 def tiny_hf_model(seed: int = 0):
-    """A tiny random 8-layer Llama (GQA, tied head), built in code: the script's smoke test, no checkpoint."""
+    """A tiny random Llama built in code (the `random:tiny-llama` shapes with 8 layers, so a 4-layer draft is a real
+    cut, and a tied head): the script's smoke test, no checkpoint."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
+    from specdec_runtime.tiny import TINY_MODELS
+
+    shape = TINY_MODELS["tiny-llama"] | {"num_hidden_layers": 8}
+    config = LlamaConfig(vocab_size=512, tie_word_embeddings=True, **shape)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
 

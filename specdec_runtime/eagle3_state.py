@@ -218,7 +218,9 @@ class Eagle3State:
     def _hidden(self, r: Tensor, from_target: Tensor) -> Tensor:
         """Rows r (B, R) -> their hidden states (B, R, H): fc(target features of r), or row r - 1's pre-norm."""
         own = self.pre.gather(1, (r - 1).clamp_min(0)[..., None].expand(-1, -1, self.pre.shape[-1]))
-        if not bool(from_target.any()):  # a drafting step: fc (3H -> H) would be computed for nothing
+        # A drafting step computes fc (3H -> H) for nothing; skipping it costs a host sync, free on the CPU only (CUDA
+        # keeps its one sync per draft forward).
+        if r.device.type == "cpu" and not bool(from_target.any()):
             return own
         features = self.target.features(r).to(self.model.compute_dtype)
         return torch.where(from_target[..., None], self.model.fc(features), own)
