@@ -2,7 +2,8 @@
 (`specdec_runtime.cpu`) against the HF path, and tokens/s against HF `generate`, all measured in one process.
 
 1. In-loop forward costs, batch 1, greedy, one prompt per unit: for each backend (`hf`: the HF model with a
-   DynamicCache; `fast`: `cpu.cpu_model`, fp32 target, `cpu.draft_dtype()` draft), target-only decoding and
+   DynamicCache; `fast`: `cpu.cpu_model`, fp32 target, `cpu.draft_dtype()` draft; `compiled`, opt-in: the fast path
+   with its steps compiled by Inductor, `cpu.compile_steps`), target-only decoding and
    speculative decoding with the 4-layer truncated draft at each gamma, every arm once per unit and repeat in ABBA
    order (`ab.paired_runs`). From the runs' own phases (`stats.phases`): the decode step (target-only decode
    seconds / steps), one verify forward over gamma + 1 tokens (`verify_cost_ratio`, in decode steps of the same
@@ -10,10 +11,14 @@
 2. HF `generate` target-only (greedy) and HF assisted generation (`bench.fair_assistant`: exactly gamma drafts per
    step) on the same prompts: tokens/s against ours.
 3. The data stage's teacher generation: `--data-batch` training prompts in one batch, T=0.7, top-p 0.95,
-   `--data-new-tokens` tokens, through our engine on both backends and through HF `generate` (left-padded batch).
+   `--data-new-tokens` tokens, through our engine on each backend and through HF `generate` (left-padded batch).
+
+The `compiled` backend compiles in the warm-up and in `ab.capture_graphs` (every width and power-of-two row count
+a timed call can reach), outside the timed calls; that compile time is reported per section (`compile_s`).
 
     python benchmarks/cpu_runtime_bench.py                     # the embedded SmolLM2 target, ~5 minutes idle
     python benchmarks/cpu_runtime_bench.py --json runs/cpu_runtime_bench.json --threads 2
+    python benchmarks/cpu_runtime_bench.py --backends hf fast compiled --json runs/cpu_runtime_bench-compiled.json
     python benchmarks/cpu_runtime_bench.py --target random:tiny-llama --draft-layers 2 --num-prompts 2 \
         --max-new-tokens 8 --gammas 3 --data-batch 4 --data-new-tokens 8     # smoke, seconds
 
@@ -31,7 +36,7 @@ import torch
 
 from distill.prompts import load_prompts, render_chat
 from distill.students import evenly_spaced_layers, truncate_student
-from specdec_runtime.ab import cost_model, paired_runs, paired_speedup, pooled
+from specdec_runtime.ab import capture_graphs, cost_model, paired_runs, paired_speedup, pooled
 from specdec_runtime.bench import (
     VerifyWidths,
     backend_name,
@@ -44,7 +49,8 @@ from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.loading import load_model, stop_token_ids
 from specdec_runtime.metrics import GenerationStats
 
-BACKENDS = ("hf", "fast")
+BACKENDS = ("hf", "fast", "compiled")
+DEFAULT_BACKENDS = ["hf", "fast"]
 BEFORE_DATA_TOKENS_PER_S = 48.0
 """The data stage's tokens/s at batch 32 on the idle 2-core CPU before the fast path (issue 14, docs/benchmarks.md)."""
 
@@ -66,8 +72,14 @@ def forward_costs(models: dict, prompts: list[list[int]], gammas: list[int], *, 
             **kwargs,
         ).stats
 
-    for arm in arms:  # warm-up: allocator caches, oneDNN primitives
+    compile_s = dict.fromkeys(models, 0.0)
+    for arm in arms:  # warm-up: allocator caches, oneDNN primitives, the compiled backend's graphs
+        start = time.perf_counter()
         run(0, arm, 0)
+        backend, mode = arm.split(":")
+        target, draft = models[backend]
+        capture_graphs(target, draft, batch_size=1, gamma=int(mode[1:]) if mode != "target" else 1)
+        compile_s[backend] += time.perf_counter() - start
     runs = paired_runs(run, units=len(prompts), arms=arms, repeats=repeats)
     out = {}
     for backend in models:
@@ -75,6 +87,7 @@ def forward_costs(models: dict, prompts: list[list[int]], gammas: list[int], *, 
         row = {
             "step_ms": 1e3 * base.phases.decode_s / base.phases.verify_forwards,
             "target_tokens_per_s": base.aggregate()["tokens_per_s"],
+            "warmup_s": compile_s[backend],  # the compiled backend's compile time, plus one untimed call per arm
             "gammas": {},
         }
         for g in gammas:
@@ -141,7 +154,10 @@ def data_stage(models: dict, hf_target, prompts, *, max_new_tokens, stop, seed: 
     sampling = SamplingParams(temperature=0.7, top_p=0.95)
     out = {}
     for backend, (target, _) in models.items():
+        start = time.perf_counter()
         generate(target, None, prompts, sampling=sampling, max_new_tokens=2, stop_token_ids=stop)  # warm-up
+        capture_graphs(target, None, batch_size=len(prompts), gamma=0)  # compiled: every row count of the batch
+        out[f"{backend}_warmup_s"] = time.perf_counter() - start
         result = generate(
             target,
             None,
@@ -164,56 +180,69 @@ def _f(value, fmt: str = ".3f") -> str:
 def report(costs: dict, hf: dict, data: dict, gammas: list[int]) -> str:
     columns = f"{'v':>6}{'draft ms':>10}{'c':>6}{'alpha':>7}{'speedup':>8}"
     head = "".join(f"{f'g={g}: verify ms':>18}{columns}" for g in gammas)
-    lines = [f"{'backend':<8}{'step ms':>9}{'tok/s':>8}{head}"]
+    lines = [f"{'backend':<9}{'step ms':>8}{'tok/s':>8}{head}"]
     for backend, row in costs.items():
         cells = "".join(
             f"{_f(r['verify_ms'], '.1f'):>18}{_f(r['verify_cost_ratio'], '.2f'):>6}{_f(r['draft_ms'], '.1f'):>10}"
             f"{_f(r['cost_ratio'], '.2f'):>6}{_f(r['acceptance_rate'], '.2f'):>7}{_f(r['speedup'], '.2f'):>8}"
             for r in row["gammas"].values()
         )
-        lines.append(f"{backend:<8}{row['step_ms']:>9.1f}{row['target_tokens_per_s']:>8.1f}{cells}")
-    fast, ratios = costs.get("fast"), []
-    if fast:
+        lines.append(f"{backend:<9}{row['step_ms']:>8.1f}{row['target_tokens_per_s']:>8.1f}{cells}")
+    ratios = []
+    for name in [b for b in ("fast", "compiled") if b in costs]:  # the issue's goals, per fast backend
+        fast = costs[name]
         g4, g8 = fast["gammas"].get(3), fast["gammas"].get(7)
         ratios += [
-            ("verify_cost_ratio, 4 tokens (fast)", g4 and g4["verify_cost_ratio"], "<= 1.3"),
-            ("verify_cost_ratio, 8 tokens (fast)", g8 and g8["verify_cost_ratio"], "<= 1.6"),
-            ("cost_ratio, draft (fast)", g4 and g4["cost_ratio"], "<= 0.2"),
+            (f"verify_cost_ratio, 4 tokens ({name})", g4 and g4["verify_cost_ratio"], "<= 1.3"),
+            (f"verify_cost_ratio, 8 tokens ({name})", g8 and g8["verify_cost_ratio"], "<= 1.6"),
+            (f"cost_ratio, draft ({name})", g4 and g4["cost_ratio"], "<= 0.2"),
         ]
         if "hf" in costs:
-            ratios.append(("decode step, hf / fast", costs["hf"]["step_ms"] / fast["step_ms"], "> 1"))
+            ratios.append((f"decode step, hf / {name}", costs["hf"]["step_ms"] / fast["step_ms"], "> 1"))
         ratios.append(
-            ("target-only tok/s, fast / HF generate", fast["target_tokens_per_s"] / hf["generate_tokens_per_s"], ">= 1")
+            (
+                f"target-only tok/s, {name} / HF generate",
+                fast["target_tokens_per_s"] / hf["generate_tokens_per_s"],
+                ">= 1",
+            )
         )
         ga = fast["gammas"].get(hf["assisted_gamma"])
         if ga:
             ratios.append(
                 (
-                    f"speculative tok/s g={hf['assisted_gamma']}, fast / HF assisted",
+                    f"speculative tok/s g={hf['assisted_gamma']}, {name} / HF assisted",
                     ga["tokens_per_s"] / hf["assisted_tokens_per_s"],
                     ">= 1.3",
                 )
             )
-    if "fast_tokens_per_s" in data:
-        ratios.append(
-            (
-                "data stage tok/s, fast / HF generate",
-                data["fast_tokens_per_s"] / data["hf_generate_tokens_per_s"],
-                "> 1",
+        if f"{name}_tokens_per_s" in data:
+            ratios.append(
+                (
+                    f"data stage tok/s, {name} / HF generate",
+                    data[f"{name}_tokens_per_s"] / data["hf_generate_tokens_per_s"],
+                    "> 1",
+                )
             )
-        )
-        ratios.append(
-            (
-                f"data stage tok/s, fast / {BEFORE_DATA_TOKENS_PER_S:g} (before issue 14)",
-                data["fast_tokens_per_s"] / BEFORE_DATA_TOKENS_PER_S,
-                ">= 3",
+            ratios.append(
+                (
+                    f"data stage tok/s, {name} / {BEFORE_DATA_TOKENS_PER_S:g} (before issue 14)",
+                    data[f"{name}_tokens_per_s"] / BEFORE_DATA_TOKENS_PER_S,
+                    ">= 3",
+                )
             )
-        )
+    if "compiled" in costs and "fast" in costs:
+        ratios.append(("decode step, fast / compiled", costs["fast"]["step_ms"] / costs["compiled"]["step_ms"], "> 1"))
     lines.append("")
     lines.append(
         f"HF generate {hf['generate_tokens_per_s']:.1f} tok/s, HF assisted (g={hf['assisted_gamma']}) "
         f"{hf['assisted_tokens_per_s']:.1f} tok/s; data stage tok/s: "
         + ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:.1f}" for k, v in data.items() if k.endswith("tokens_per_s"))
+    )
+    lines.append(
+        "warm-up s (the compiled backend compiles here): "
+        + ", ".join(f"{b} {row['warmup_s']:.0f}" for b, row in costs.items())
+        + "; data stage "
+        + ", ".join(f"{k.removesuffix('_warmup_s')} {v:.0f}" for k, v in data.items() if k.endswith("_warmup_s"))
     )
     lines.append("")
     width = max(len(name) for name, _, _ in ratios)
@@ -230,7 +259,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--gammas", nargs="+", type=int, default=[3, 7], help="verify widths gamma + 1 = 4 and 8")
     parser.add_argument("--repeats", type=int, default=1, help="timed ABBA repeats of section 1")
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=DEFAULT_BACKENDS)
     parser.add_argument("--data-prompts", default="builtin:train")
     parser.add_argument("--data-batch", type=int, default=32)
     parser.add_argument("--data-new-tokens", type=int, default=48)
@@ -243,8 +272,12 @@ def main() -> None:
     target, tokenizer = load_model(args.target, device="cpu")
     draft = truncate_student(target, evenly_spaced_layers(target.config.num_hidden_layers, args.draft_layers))
     stop = stop_token_ids(target, tokenizer)
-    models = {"hf": (target, draft), "fast": (fast_model(target), fast_model(draft, draft=True))}
-    models = {b: models[b] for b in args.backends}
+    builders = {
+        "hf": lambda: (target, draft),
+        "fast": lambda: (fast_model(target), fast_model(draft, draft=True)),
+        "compiled": lambda: (fast_model(target, cpu_compile=True), fast_model(draft, draft=True, cpu_compile=True)),
+    }
+    models = {b: builders[b]() for b in args.backends}
     records = load_prompts(args.prompts)
     by_category = {}
     for r in records:  # one prompt per category first (short answers and long passages alike), then the rest

@@ -6,6 +6,8 @@
     python benchmarks/recipe_study.py layers --config configs/embedded-best.yaml --out runs/recipe/layers
     python benchmarks/recipe_study.py objectives --config configs/embedded-best.yaml --seeds 0 1 \\
         --out runs/recipe/objectives
+    python benchmarks/recipe_study.py onpolicy --config configs/embedded-best.yaml --steps 40 --seeds 0 1 \\
+        --out runs/recipe/onpolicy
 
 Every study trains its variants on the teacher data of --config (a `data` study on the first fraction of its
 training sequences: fewer prompts, the same answers), each for the same number of optimizer steps (`--steps`), into
@@ -20,6 +22,7 @@ Variants are fixed per study (edit `VARIANTS` to add some):
   data        the EAGLE-3 recipe of configs/quickstart.yaml on 25 / 50 / 100 % of the teacher sequences
   layers      4-layer truncations keeping evenly spaced layers (the default), the first 3 + the last, the first 4
   objectives  4-layer truncations with forward_kl, reverse_kl, jsd, tv, ce (`--seeds`: several seeds each)
+  onpolicy    4-layer truncations: sequence-level KD (ce), forward KL off- and on-policy (lmbda 0.5), TV on-policy
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ VARIANTS = {
     },
     "objectives": {
         name: [f"distill.objective={{{name}: 1.0}}"] for name in ("forward_kl", "reverse_kl", "jsd", "tv", "ce")
+    },
+    # DistillSpec's claim: a divergence matched to the decoding mode, on the draft's own (on-policy) samples, beats
+    # plain sequence-level KD (cross-entropy on the teacher's samples). The KL rows run the teacher online, so that
+    # on-policy data (`distill.lmbda`, which needs it) is the only difference between them.
+    "onpolicy": {
+        "seqkd": ["distill.objective={ce: 1.0}"],
+        "fkl": ["distill.objective={forward_kl: 1.0}", "distill.teacher=online"],
+        "fkl-onpolicy": ["distill.objective={forward_kl: 1.0}", "distill.teacher=online", "distill.lmbda=0.5"],
+        "tv-onpolicy": ["distill.objective={tv: 1.0}", "distill.teacher=online", "distill.lmbda=0.5"],
     },
 }
 

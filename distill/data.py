@@ -109,11 +109,13 @@ def generate_teacher_data(
     barrier: Callable[[], None] | None = None,
     aux_layers: list[int] | None = None,
     cpu_fast_path: bool = True,
+    cpu_compile: bool = False,
 ) -> TeacherData:
     """Generate (or find cached) teacher answers to the training and held-out prompts.
 
     The answers are decoded by `specdec_runtime.bench.fast_model(teacher, cpu_fast_path)` (on the CPU the runtime's
-    fast CPU path, `target.cpu_fast_path`); the top-k cache and hidden states come from the HF teacher itself.
+    fast CPU path, `target.cpu_fast_path`, its steps compiled with `cpu_compile`, `target.cpu_compile`); the top-k
+    cache and hidden states come from the HF teacher itself.
 
     `aux_layers` (HF output_hidden_states indices): with the offline cache on, also store the teacher's hidden
     states there, fp16, at every position (`AUX_HIDDEN`), for EAGLE-3 candidates that train from the cache.
@@ -135,7 +137,7 @@ def generate_teacher_data(
     out_dir = Path(out_dir)
     stop_ids = list(stop_token_ids(teacher, tokenizer))
     job = dict(cfg=cfg, out_dir=out_dir, teacher_id=teacher_id, seed=seed, stop_ids=stop_ids, rank=rank)
-    decoder = fast_model(teacher, cpu_fast_path)  # the model the engine decodes with
+    decoder = fast_model(teacher, cpu_fast_path, cpu_compile=cpu_compile)  # the model the engine decodes with
     write_self_instruct = functools.partial(_self_instruct_records, decoder, tokenizer, barrier=barrier, **job)
     train_records = concat_sources(load_sources(cfg.prompts, self_instruct=write_self_instruct))
     eval_records = load_prompts(cfg.validation_prompts)

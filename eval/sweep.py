@@ -285,6 +285,7 @@ def evaluate(
     gather=None,
     progress: bool = True,
     cpu_fast_path: bool = True,
+    cpu_compile: bool = False,
 ) -> dict:
     """Run the sweep on the selection half and, with `serving`, measure the setting `eval.recommend.choose` picks for
     it on the confirmation half at every batch size (`report["confirmation"]`); returns the report dict (keys of
@@ -316,7 +317,7 @@ def evaluate(
         + [Setting(t, r, depth, spec, batch) for spec, depth in trees.items()]
     ]
     bar = tqdm(total=len(candidates) * len(points), desc="eval", disable=not progress or rank != 0)
-    fast_target = fast_model(target, cpu_fast_path)
+    fast_target = fast_model(target, cpu_fast_path, cpu_compile=cpu_compile)
     bench = Bench(fast_target, cfg.max_new_tokens, stop_token_ids(target, tokenizer), seed, cfg.repeats, cfg.warmup)
     mine = selection[rank::world_size]
 
@@ -326,7 +327,7 @@ def evaluate(
         draft, draft_tokenizer = load_draft(cand, device, dtype)
         if draft_tokenizer is not None:  # an EAGLE-3 head's ids are the target's by construction
             check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
-        fast_draft = fast_model(draft, cpu_fast_path, draft=True)
+        fast_draft = fast_model(draft, cpu_fast_path, draft=True, cpu_compile=cpu_compile)
         rows = []
         for point in points:
             rows.append(measure(bench, fast_draft, mine, point, outputs.setdefault(point.temperature, {})))
@@ -362,6 +363,7 @@ def evaluate(
             dtype=dtype,
             gather=gather if world_size > 1 else None,
             cpu_fast_path=cpu_fast_path,
+            cpu_compile=cpu_compile,
         )
     return report
 
@@ -386,13 +388,14 @@ def confirm(
     dtype: str,
     gather=None,
     cpu_fast_path: bool = True,
+    cpu_compile: bool = False,
 ) -> dict:
     """Measure the setting `choose` picks from the selection numbers on this rank's confirmation prompts, once per
     batch size -> the report's `confirmation` block (merged over ranks)."""
     cand_report, best = choose(report, serving.temperature, _serving_rule(serving), serving.min_acceptance)
     cand = next(c for c in candidates if c.name == cand_report["name"])
     draft, _ = load_draft(cand, device, dtype)
-    fast_draft = fast_model(draft, cpu_fast_path, draft=True)
+    fast_draft = fast_model(draft, cpu_fast_path, draft=True, cpu_compile=cpu_compile)
     local = [
         measure(
             bench,

@@ -32,7 +32,7 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from .ab import capture_graphs, decode_s_per_token, paired_metrics, paired_runs, paired_speedup, pooled
-from .cpu import CPU_BACKEND, cpu_eagle3, cpu_model, draft_dtype
+from .cpu import CPU_BACKEND, CPU_COMPILED_BACKEND, compile_steps, cpu_eagle3, cpu_model, draft_dtype
 from .eagle3 import Eagle3Draft
 from .engine import generate
 from .llama import Llama
@@ -41,11 +41,14 @@ from .metrics import GenerationStats
 from .sampling import DraftRule, SamplingParams
 
 
-def fast_model(model: torch.nn.Module, cpu_fast_path: bool = True, draft: bool = False) -> torch.nn.Module:
+def fast_model(
+    model: torch.nn.Module, cpu_fast_path: bool = True, draft: bool = False, cpu_compile: bool = False
+) -> torch.nn.Module:
     """The compact bf16 model for a Llama checkpoint on CUDA; on the CPU the compact model's fast CPU path
-    (`cpu.cpu_model`: fp32 for a target, `cpu.draft_dtype()` for a draft) unless cpu_fast_path is False; any other
-    model is returned as is. An EAGLE-3 head stays an `Eagle3Draft` (the engine pairs it with the target's state): on
-    the CPU fast path with its linears laid out once (`cpu.cpu_eagle3`, `cpu.draft_dtype()`), elsewhere as it is."""
+    (`cpu.cpu_model`: fp32 for a target, `cpu.draft_dtype()` for a draft) unless cpu_fast_path is False, its steps
+    compiled by Inductor when cpu_compile (`cpu.compile_steps`; CUDA has its graphs instead); any other model is
+    returned as is. An EAGLE-3 head stays an `Eagle3Draft` (the engine pairs it with the target's state): on the CPU
+    fast path with its linears laid out once (`cpu.cpu_eagle3`, `cpu.draft_dtype()`, eager), elsewhere as it is."""
     if isinstance(model, Eagle3Draft):
         on_cpu = model.fc.weight.device.type == "cpu"
         fast = on_cpu and cpu_fast_path and not getattr(model, "cpu_fast", False)
@@ -53,7 +56,8 @@ def fast_model(model: torch.nn.Module, cpu_fast_path: bool = True, draft: bool =
     if model.device.type == "cuda" and model.config.model_type == "llama":
         return Llama.from_hf(model, dtype=torch.bfloat16)
     if model.device.type == "cpu" and cpu_fast_path and isinstance(model, LlamaForCausalLM):
-        return cpu_model(model, dtype=draft_dtype() if draft else torch.float32)
+        fast = cpu_model(model, dtype=draft_dtype() if draft else torch.float32)
+        return compile_steps(fast) if cpu_compile else fast
     return model
 
 
@@ -62,7 +66,7 @@ def backend_name(model: torch.nn.Module) -> str:
     on the CPU fast path) or HF eager."""
     if isinstance(model, Llama):
         if model.cpu_fast:
-            return CPU_BACKEND
+            return CPU_COMPILED_BACKEND if model.compiled_step is not None else CPU_BACKEND
         return "compact-static-cache+cuda-graphs" if model.device.type == "cuda" and model.use_graphs else "compact"
     return "hf-eager"
 
@@ -182,6 +186,7 @@ def run_bench(
     draft_rule: DraftRule = "greedy",
     tree: str | None = None,
     cpu_fast_path: bool = True,
+    cpu_compile: bool = False,
 ) -> dict:
     """Bench JSON of DESIGN.md (`bench --json`); the tokenizer is read for its eos/pad token ids only.
 
@@ -190,9 +195,12 @@ def run_bench(
     tree: a token-tree spec ('4,2,2,1', 'dynamic:NODES'); adds a `tree` block (the same metrics for the tree, plus
     speedup_vs_chain over the chain of num_draft_tokens, paired on the same units).
     cpu_fast_path: on the CPU, decode through `cpu.cpu_model` (False: the HF models, eager).
+    cpu_compile: on the CPU fast path, compile the target's and a standalone draft's steps (`cpu.compile_steps`);
+    compiling happens in the warm-up and `capture_graphs`, outside the timed runs.
     """
     stop = stop_token_ids(target, tokenizer)
-    fast_target, fast_draft = fast_model(target, cpu_fast_path), fast_model(draft, cpu_fast_path, draft=True)
+    fast_target = fast_model(target, cpu_fast_path, cpu_compile=cpu_compile)
+    fast_draft = fast_model(draft, cpu_fast_path, draft=True, cpu_compile=cpu_compile)
     hf_draft = copy.deepcopy(draft) if draft is target else draft  # the width hook must see target forwards only
     units = full_units(prompts, batch_size)
     ours = dict(

@@ -114,6 +114,11 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+COMPILED_MIN_SLOTS = 1024
+"""Cache slots of a model with compiled CPU steps, at least (`setup_cache`): room for the prompts and answers of
+typical eval and data runs, so that a process allocates (and compiles for) one cache; 47 MB per row for SmolLM2."""
+
+
 def graph_rows(batch: int, cache_rows: int) -> int:
     """Rows of the CUDA graph that serves a batch of `batch` rows: the next power of two, at most the cache's rows."""
     return min(1 << (batch - 1).bit_length(), cache_rows)
@@ -140,6 +145,7 @@ class Llama(nn.Module):
         self.cache_shape: tuple[int, int] | None = None  # (rows, S) of the allocated static cache
         self.use_graphs = True  # False: eager CUDA decode/verify steps (to measure what the graphs buy)
         self.cpu_fast = False  # True: rebuilt by cpu.cpu_model; its masks span only the slots in use (`window`)
+        self.compiled_step = None  # cpu.compile_steps: the Inductor-compiled forward that runs `step` on the CPU
         self.graphs: dict[int, dict[int, tuple]] = {}  # T -> rows -> (graph, inputs, logits), valid for cache_shape
         self.graph_pool = None
 
@@ -192,6 +198,11 @@ class Llama(nn.Module):
         if self.cache_shape is not None and self.cache_shape[0] >= batch_size and self.cache_shape[1] > max_len:
             return self.cache_shape[1]
         S = -(-(max_len + 1) // 16) * 16  # +1 trash slot; rounded so later calls with similar lengths reuse it
+        if self.compiled_step is not None:
+            # Compiled steps are specialised to the cache tensors they write (Dynamo pins them by identity), so a
+            # new cache recompiles every step: allocate few, generous ones (the attention window stays narrow).
+            generous = max(COMPILED_MIN_SLOTS, -(-(max_len + 1) // 256) * 256)
+            S = max(S, min(generous, -(-(self.config.max_position_embeddings + 1) // 16) * 16))
         shape = (batch_size, S, self.args.n_kv_heads, self.args.head_dim)
         dtype = self.lm_head.weight.dtype
         for layer in self.layers:
@@ -219,7 +230,10 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
     def step(self, tokens, input_pos, slots, mask) -> torch.Tensor:
-        """Forward for a fixed-shape decode/verify step, replayed as a CUDA graph on CUDA."""
+        """Forward for a fixed-shape decode/verify step, replayed as a CUDA graph on CUDA (compiled by Inductor on
+        the CPU after `cpu.compile_steps`)."""
+        if self.compiled_step is not None:
+            return self._compiled(tokens, input_pos, slots, mask)
         if self.device.type != "cuda" or not self.use_graphs:
             return self(tokens, input_pos, slots, mask)
         (B, T), S = tokens.shape, self.cache_shape[1]
@@ -235,10 +249,40 @@ class Llama(nn.Module):
         graph.replay()
         return logits[:B]
 
+    def _compiled(self, tokens, input_pos, slots, mask) -> torch.Tensor:
+        """`step` through the compiled forward: the rows padded to `graph_rows` as for the CUDA graphs (one graph
+        per power-of-two row count and width T), the mask's width left dynamic (the CPU window grows every step:
+        one graph serves all widths)."""
+        (B, T), S = tokens.shape, self.cache_shape[1]
+        rows = graph_rows(B, self.cache_shape[0])
+        pad = rows - B  # padding rows write only the trash slot; their logits are dropped
+        # fresh (row-major) inputs whatever they were sliced from: Dynamo guards on strides, even of size-1 dims
+        tokens = torch.cat([tokens, tokens.new_zeros(pad, T)])
+        input_pos = torch.cat([input_pos, input_pos.new_zeros(pad, T)])
+        slots = torch.cat([slots, slots.new_full((pad, T), S - 1)])
+        mask = torch.cat([mask, mask.new_ones(pad, 1, T, mask.shape[-1])])
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
+        # Freezing (weights as graph constants, so Inductor keeps the packed layouts) is read from the global config
+        # while Dynamo traces, and only on a first call of a shape; patched around every call so any retrace sees it.
+        with torch._inductor.config.patch(freezing=True), torch.no_grad():  # freezing applies without grad only
+            logits = self.compiled_step(tokens, input_pos, slots, mask)
+        self.graphs.setdefault(T, {})[rows] = None  # compiled: `capture_graphs` need not call this key again
+        return logits[:B]
+
     def capture_graphs(self, widths: Iterable[int], max_rows: int) -> None:
         """Capture now every graph `step` can replay for these widths (tokens per forward) at 1..max_rows rows
         (`graph_keys`), so that none is captured inside a timed run; call it after the cache is set up (a warm-up
-        generate call). A no-op off CUDA or without graphs."""
+        generate call). On the CPU with compiled steps, compiles them instead (a call that writes only the trash
+        slot). A no-op elsewhere off CUDA or without graphs."""
+        if self.compiled_step is not None and self.cache_shape is not None:
+            (R, S), dev = self.cache_shape, self.device
+            for T, rows in sorted(graph_keys(widths, max_rows, R)):
+                if rows not in self.graphs.get(T, {}):
+                    trash = torch.full((rows, T), S - 1, dtype=torch.long, device=dev)
+                    # a 2-slot window: a window as wide as the cache would specialise the graph to that width
+                    mask = torch.ones(rows, 1, T, 2, dtype=torch.bool, device=dev)
+                    self._compiled(torch.zeros_like(trash), torch.zeros_like(trash), trash, mask)
+            return
         if self.device.type != "cuda" or not self.use_graphs or self.cache_shape is None:
             return
         for T, rows in sorted(graph_keys(widths, max_rows, self.cache_shape[0])):
@@ -280,7 +324,10 @@ class StaticState:
     def window(self, need: torch.Tensor) -> int:
         """Cache slots a forward's mask spans: all S (fixed shapes for the CUDA graphs), or on the CPU fast path only
         the first max(need) slots, need (B,) = the slots each row uses; attention then reads no unused slot."""
-        return int(need.max()) if self.model.cpu_fast else self.S
+        if not self.model.cpu_fast:
+            return self.S
+        # compiled steps: at least 2, so that Dynamo never specialises a graph to a 1-slot window (its 0/1 rule)
+        return max(int(need.max()), 2) if self.model.compiled_step is not None else int(need.max())
 
     def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         T = tokens.shape[1]

@@ -98,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed ABBA repeats of the paired A/B (default 3)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", default=None, help="also write the results as JSON here")
+    bench.add_argument(
+        "--cpu-compile",
+        action="store_true",
+        help="on the CPU, compile the fast path's decode/verify steps with Inductor (~30 s per graph, outside timing)",
+    )
 
     for name, text in (
         ("data", "generate the teacher's distillation data (resumable)"),
@@ -273,6 +278,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         seed=args.seed,
         repeats=args.repeats,
         tree=args.tree,
+        cpu_compile=args.cpu_compile,
     )
     result.update(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(prompts))
     print(format_bench_table(result))

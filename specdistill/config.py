@@ -51,6 +51,17 @@ class TargetConfig:
     cpu_fast_path: bool = True
     """On the CPU, decode Llama-family models through the runtime's fast CPU path (compact model, static cache, fused
     pre-packed weights: specdec_runtime/cpu.py) in the data stage and eval; false decodes with the HF models."""
+    cpu_compile: bool = False
+    """On the CPU fast path, also compile the decode and verify steps of the target and of standalone drafts with
+    Inductor (`cpu.compile_steps`): ~1.3x faster steps after ~30 s of compiling per graph and model the first time a
+    process sees it (docs/runtime.md); pays in long data stages and eval sweeps. Needs cpu_fast_path."""
+
+    def __post_init__(self) -> None:
+        if self.cpu_compile and not self.cpu_fast_path:
+            raise ValueError(
+                "target.cpu_compile compiles the CPU fast path's steps, but target.cpu_fast_path is false: "
+                "set target.cpu_fast_path=true or target.cpu_compile=false"
+            )
 
 
 @dataclass

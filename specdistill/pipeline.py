@@ -129,6 +129,7 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
         barrier=dist.barrier,
         aux_layers=aux_layers,
         cpu_fast_path=cfg.target.cpu_fast_path,
+        cpu_compile=cfg.target.cpu_compile,
     )
 
 
@@ -298,6 +299,7 @@ def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target
         world_size=dist.world_size,
         gather=dist.gather,
         cpu_fast_path=cfg.target.cpu_fast_path,
+        cpu_compile=cfg.target.cpu_compile,
     )
     path = out_dir / "report.json"
     if dist.is_main:
