@@ -136,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=20, help="first N builtin:test prompts (all categories)")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--only", nargs="+", default=None, help="run only these variants of the study")
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides for every variant (e.g. target.model=...)")
     args = ap.parse_intermixed_args(argv)
+    unknown = sorted(set(args.only or []) - set(VARIANTS[args.study]))
+    if unknown:
+        ap.error(f"--only {unknown}: not variants of {args.study} ({', '.join(VARIANTS[args.study])})")
 
     from distill.data import TeacherData
     from specdec_runtime.bench import fast_model
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = []
     points = [(f, s) for f in (args.fractions if args.study == "data" else [1.0]) for s in args.seeds]
-    for name, overrides in VARIANTS[args.study].items():
+    variants = {k: v for k, v in VARIANTS[args.study].items() if args.only is None or k in args.only}
+    for name, overrides in variants.items():
         for fraction, seed in points:
             label = name + (f"-{fraction:g}" if args.study == "data" else "") + f"-seed{seed}"
             train, tokens = subset(data.train, fraction, args.out / "data") if fraction < 1 else (data.train, None)

@@ -112,7 +112,8 @@ def capture_graphs(target, draft, *, batch_size: int, gamma: int, tree: str | Tr
     """After the warm-up calls (which set up the static caches): capture every CUDA graph a timed call of up to
     batch_size rows can replay, for every width of `graph_widths` and every power-of-two row count a shrinking
     batch passes through, so no timed call captures one. Any width the warm-up already captured is filled in too.
-    Only compact models on CUDA have graphs; anything else (the CPU, HF models, an EAGLE-3 head) is left as is."""
+    Compact models on CUDA have graphs, and on the CPU those with compiled steps (`cpu.compile_steps`: compiled here
+    instead); anything else (the eager CPU fast path, HF models, an EAGLE-3 head) is left as is."""
     target_widths, draft_widths = graph_widths(gamma, tree)
     for model, widths in ((target, target_widths), (draft, draft_widths)):
         if isinstance(model, Llama):
