@@ -232,7 +232,7 @@ class Llama(nn.Module):
     def step(self, tokens, input_pos, slots, mask) -> torch.Tensor:
         """Forward for a fixed-shape decode/verify step, replayed as a CUDA graph on CUDA (compiled by Inductor on
         the CPU after `cpu.compile_steps`)."""
-        if self.compiled_step is not None:
+        if self.compiled_step is not None and not self._hooked():
             return self._compiled(tokens, input_pos, slots, mask)
         if self.device.type != "cuda" or not self.use_graphs:
             return self(tokens, input_pos, slots, mask)
@@ -248,6 +248,11 @@ class Llama(nn.Module):
         slots_in[B:], mask_in[B:] = S - 1, True  # padding rows write only the trash slot; their logits are dropped
         graph.replay()
         return logits[:B]
+
+    def _hooked(self) -> bool:
+        """Forward pre-hooks on a decoder layer (an EAGLE-3 head's aux-state capture, `eagle3_state.AuxCapture`): the
+        compiled graphs were traced without them, so such a target runs its CPU steps eager."""
+        return any(layer._forward_pre_hooks for layer in self.layers)
 
     def _compiled(self, tokens, input_pos, slots, mask) -> torch.Tensor:
         """`step` through the compiled forward: the rows padded to `graph_rows` as for the CUDA graphs (one graph

@@ -18,7 +18,7 @@ import specdec_runtime.eagle3_state as eagle3_state
 import specdec_runtime.engine as engine
 import specdec_runtime.tree_step as tree_step
 from specdec_runtime.bench import fast_model, format_bench_table, run_bench
-from specdec_runtime.cpu import FusedLinear, cpu_eagle3, cpu_model, draft_dtype
+from specdec_runtime.cpu import FusedLinear, compile_steps, cpu_eagle3, cpu_model, draft_dtype
 from specdec_runtime.eagle3 import (
     Eagle3Cache,
     Eagle3Draft,
@@ -237,21 +237,28 @@ def test_every_tree_node_matches_the_reference(pair, monkeypatch, tree):
 
 
 @pytest.mark.parametrize("tree", [None, "2,2,1", "dynamic:6"])
-@pytest.mark.parametrize("backend", ["hf", "compact", "cpu-fast"])
+@pytest.mark.parametrize("backend", ["hf", "compact", "cpu-fast", "cpu-compiled"])
 def test_greedy_output_equals_target_only_greedy(pair, tree, backend):
     target, draft = pair
     want = hf_greedy(target, LLAMA_PROMPTS, 20)
     stop = want[0][5]  # prompt 0 stops mid-run, most likely in the middle of a drafted chain
     want_stop = hf_greedy(target, LLAMA_PROMPTS, 20, eos=stop)
-    model = {"hf": lambda: target, "compact": lambda: Llama.from_hf(target), "cpu-fast": lambda: cpu_model(target)}
+    model = {
+        "hf": lambda: target,
+        "compact": lambda: Llama.from_hf(target),
+        "cpu-fast": lambda: cpu_model(target),
+        "cpu-compiled": lambda: compile_steps(cpu_model(target)),  # the aux hooks keep its steps eager: no graph
+    }
     model = model[backend]()
-    if backend == "cpu-fast":  # what eval and bench run on the CPU: the head in the machine's draft dtype
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    if backend.startswith("cpu-"):  # what eval and bench run on the CPU: the head in the machine's draft dtype
         draft = fast_model(draft, draft=True)
         assert draft.cpu_fast and draft.fc.weight.dtype == draft_dtype()
     for stop_ids, expected in (((), want), ((stop,), want_stop)):
         got = generate(model, draft, LLAMA_PROMPTS, num_draft_tokens=4, max_new_tokens=20, stop_token_ids=stop_ids,
                        tree=tree)  # fmt: skip
         assert got.tokens == expected, (tree, stop_ids)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a hooked target must not compile"
 
 
 def test_the_cpu_fast_head_computes_what_the_head_computes(pair):
