@@ -195,11 +195,12 @@ def compile_steps(model: Llama) -> Llama:
 
     Freezing makes the weights graph constants, so Inductor keeps the packed oneDNN layouts and fuses what lies
     between the GEMMs (rope, norms, SwiGLU, the cache writes); default Inductor cannot lower the packed
-    `mkldnn._linear_pointwise` at all. Measured here (docs/benchmarks.md): decode steps ~1.3x faster, greedy argmax
-    identical, but ~30 s of compiling per graph the first time a process sees it: a graph per (tokens per step,
-    power-of-two row count), the window width and the cache size left dynamic. Prefill stays eager. Worth it for
-    long runs (an eval sweep, a large data stage), not for a few prompts. Output is the eager fast path's up to fp32
-    rounding of fused kernels (max |logit diff| ~1e-4 on SmolLM2), so greedy tokens can differ on near-exact ties.
+    `mkldnn._linear_pointwise` at all. One graph per (tokens per step, power-of-two row count) with the window width
+    dynamic (`Llama._compiled`); graphs are tied to the cache tensors, so the caches are allocated generously
+    (`llama.COMPILED_MIN_SLOTS`). Prefill stays eager. Measured in the loop (docs/benchmarks.md): decode steps 1.38x
+    faster, but ~30 s of compiling and up to one more copy of the weights per graph: worth it for long eval sweeps
+    and serving processes, not for a few prompts. Output is the eager fast path's up to the fp32 rounding of fused
+    kernels (max |logit diff| ~4e-5 on SmolLM2), so greedy tokens can differ on near-exact ties only.
     Needs no_grad or inference_mode at call time (the engine decodes under no_grad)."""
     if not getattr(model, "cpu_fast", False):
         raise ValueError("compile_steps compiles the CPU fast path's model: build it with cpu_model(hf_model) first")

@@ -54,7 +54,8 @@ class TargetConfig:
     cpu_compile: bool = False
     """On the CPU fast path, also compile the decode and verify steps of the target and of standalone drafts with
     Inductor (`cpu.compile_steps`): ~1.3x faster steps after ~30 s of compiling per graph and model the first time a
-    process sees it (docs/runtime.md); pays in long data stages and eval sweeps. Needs cpu_fast_path."""
+    process sees it, and up to one more copy of the weights per graph (docs/runtime.md); pays in long eval sweeps
+    and serving processes. Needs cpu_fast_path."""
 
     def __post_init__(self) -> None:
         if self.cpu_compile and not self.cpu_fast_path:
