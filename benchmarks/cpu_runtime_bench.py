@@ -14,7 +14,7 @@
    `--data-new-tokens` tokens, through our engine on each backend and through HF `generate` (left-padded batch).
 
 The `compiled` backend compiles in the warm-up and in `ab.capture_graphs` (every width and power-of-two row count
-a timed call can reach), outside the timed calls; that compile time is reported per section (`compile_s`).
+a timed call can reach), outside the timed calls; that time is reported (`warmup_s`, `<backend>_warmup_s`).
 
     python benchmarks/cpu_runtime_bench.py                     # the embedded SmolLM2 target, ~5 minutes idle
     python benchmarks/cpu_runtime_bench.py --json runs/cpu_runtime_bench.json --threads 2

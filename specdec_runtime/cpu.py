@@ -112,11 +112,8 @@ class CpuAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
         self.o_proj = FusedLinear([attn.o_proj], dtype)
-        # (rows, S, Hkv, D), as in llama.Attention; buffers, not plain attributes, so that a compiled step
-        # (`compile_steps`) takes them as inputs: Dynamo pins a plain tensor attribute by identity, and every new cache
-        # would recompile
-        self.register_buffer("k_cache", None, persistent=False)
-        self.register_buffer("v_cache", None, persistent=False)
+        self.k_cache: torch.Tensor | None = None  # (rows, S, Hkv, D), as in llama.Attention
+        self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
         """mask (B, 1, T, W): the first W cache slots (W <= S) are the ones any query of this forward may see."""
@@ -209,5 +206,5 @@ def compile_steps(model: Llama) -> Llama:
         torch._dynamo.config.accumulated_recompile_limit, 2 * RECOMPILE_LIMIT
     )
     model.compiled_step = torch.compile(model.forward, dynamic=False)
-    model.cache_shape, model.graphs = None, {}  # the next cache is allocated with dynamic rows and length
+    model.cache_shape, model.graphs = None, {}  # the next cache is allocated the compiled way (`setup_cache`)
     return model
