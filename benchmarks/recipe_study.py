@@ -8,6 +8,8 @@
         --out runs/recipe/objectives
     python benchmarks/recipe_study.py onpolicy --config configs/embedded-best.yaml --steps 40 --seeds 0 1 \\
         --out runs/recipe/onpolicy
+    python benchmarks/recipe_study.py compare --drafts fkl=runs/recipe/onpolicy/candidates/fkl-seed0/best \\
+        seqkd=runs/recipe/onpolicy/candidates/seqkd-seed0/best --out runs/recipe/compare   # paired differences
 
 Every study trains its variants on the teacher data of --config (a `data` study on the first fraction of its
 training sequences: fewer prompts, the same answers), each for the same number of optimizer steps (`--steps`), into
@@ -20,9 +22,15 @@ trained on. Acceptance at T = 0 is deterministic per prompt, so no repeats are n
 
 Variants are fixed per study (edit `VARIANTS` to add some):
   data        the EAGLE-3 recipe of configs/quickstart.yaml on 25 / 50 / 100 % of the teacher sequences
+  samples     the same on the first 1 / 2 answers of every prompt (`--answers`): against the `data` points of the
+              same token count, more prompts with fewer answers each vs fewer prompts with more answers
+  head-lr     the same on all the data at learning rates 1e-3 (the quickstart's), 2e-3 and 4e-3
   layers      4-layer truncations keeping evenly spaced layers (the default), the first 3 + the last, the first 4
   objectives  4-layer truncations with forward_kl, reverse_kl, jsd, tv, ce (`--seeds`: several seeds each)
   onpolicy    4-layer truncations: sequence-level KD (ce), forward KL off- and on-policy (lmbda 0.5), TV on-policy
+`compare` trains nothing: it measures the trained drafts given with --drafts on the same prompts and pairs each
+against the first, reporting the difference in acceptance_rate with a paired bootstrap interval (the prompts are
+resampled once for both), which is what separates two variants whose own intervals overlap.
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ EAGLE3 = [  # the quickstart's head (run it with --batch-size 4 as the quickstar
 ]
 VARIANTS = {
     "data": {"eagle3": EAGLE3},
+    "samples": {"eagle3": EAGLE3},
+    # the head's learning rate: the quickstart's loss is still falling steeply at its last step
+    "head-lr": {f"eagle3-lr{lr}": [*EAGLE3[:-1], f"train.lr={lr}"] for lr in ("1e-3", "2e-3", "4e-3")},
     "layers": {
         "evenly-spaced": ["draft.layers=null", "draft.num_layers=4"],
         "first3-last": ["draft.layers=[0,1,2,29]"],
@@ -68,7 +79,11 @@ VARIANTS = {
 }
 
 
-def bootstrap(per_prompt: list[tuple[int, int]], ratio, *, draws: int = 2000, seed: int = 0) -> list[float]:
+def rate(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def bootstrap(per_prompt: list[tuple[int, int]], ratio=rate, *, draws: int = 2000, seed: int = 0) -> list[float]:
     """95 % percentile interval of ratio(sum num, sum den) over prompts resampled with replacement."""
     rng = random.Random(seed)
     stats = []
@@ -77,6 +92,22 @@ def bootstrap(per_prompt: list[tuple[int, int]], ratio, *, draws: int = 2000, se
         stats.append(ratio(sum(a for a, _ in sample), sum(b for _, b in sample)))
     stats.sort()
     return [stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]]
+
+
+def paired_difference(base: list[tuple[int, int]], other: list[tuple[int, int]], *, draws: int = 2000, seed: int = 0):
+    """other's acceptance_rate minus base's on the same prompts, and its 95 % interval: the prompts are resampled
+    once for both drafts, so what the two share (an easy prompt is easy for both) cancels out of the difference and
+    the interval is far narrower than the two drafts' own intervals side by side."""
+    assert len(base) == len(other), "paired drafts must be measured on the same prompts"
+
+    def diff(idx) -> float:
+        pooled = lambda rows: rate(sum(rows[i][0] for i in idx), sum(rows[i][1] for i in idx))  # noqa: E731
+        return pooled(other) - pooled(base)
+
+    rng = random.Random(seed)
+    n = len(base)
+    stats = sorted(diff([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    return diff(range(n)), [stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]]
 
 
 def measure(target, tokenizer, draft_dir: Path, prompts, *, gamma: int, max_new_tokens: int) -> dict:
@@ -98,25 +129,29 @@ def measure(target, tokenizer, draft_dir: Path, prompts, *, gamma: int, max_new_
         judged.append(sum(req.position_reached))
         steps.append(req.verify_steps)
     acc, tau = list(zip(accepted, judged)), list(zip([a + s for a, s in zip(accepted, steps)], steps))
-    rate = lambda a, b: a / b if b else 0.0  # noqa: E731
     return {
         "acceptance_rate": rate(sum(accepted), sum(judged)),
         "acceptance_rate_ci": bootstrap(acc, rate),
         "mean_accepted_length": rate(sum(accepted) + sum(steps), sum(steps)),
         "mean_accepted_length_ci": bootstrap(tau, rate),
         "prompts": len(prompts),
+        "per_prompt": [list(x) for x in acc],  # (accepted, judged) per prompt: what `compare` pairs
     }
 
 
-def subset(train: Path, fraction: float, out: Path) -> tuple[Path, int]:
-    """The first `fraction` of the training sequences, saved once under `out`, and their response tokens."""
+def subset(train: Path, out: Path, *, fraction: float = 1.0, answers: int | None = None) -> tuple[Path, int]:
+    """The first `fraction` of the training sequences (whole prompts with all their answers), or the first `answers`
+    answers of every prompt, saved once under `out`, and their response tokens."""
     from distill.data import COMPLETE, load_teacher_data
 
     ds = load_teacher_data(train)
-    n = max(1, math.ceil(fraction * len(ds)))
-    path = out / f"train-{fraction:g}"
+    if answers is None:
+        keep, path = range(max(1, math.ceil(fraction * len(ds)))), out / f"train-{fraction:g}"
+    else:  # row ids are "<prompt id>#<answer index>"
+        keep = [i for i, rid in enumerate(ds["id"]) if int(rid.rsplit("#", 1)[1]) < answers]
+        path = out / f"train-answers{answers}"
     if not (path / COMPLETE).is_file():
-        ds.select(range(n)).save_to_disk(str(path))
+        ds.select(keep).save_to_disk(str(path))
         # the marker `load_teacher_data` asks of a finished dataset, with the summary (its aux layers) of the whole
         (path / COMPLETE).write_text((Path(train) / COMPLETE).read_text())
     part = load_teacher_data(path)
@@ -126,19 +161,29 @@ def subset(train: Path, fraction: float, out: Path) -> tuple[Path, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("study", choices=sorted(VARIANTS))
+    ap.add_argument("study", choices=[*sorted(VARIANTS), "compare"])
     ap.add_argument("--config", default="configs/embedded-best.yaml")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=100, help="optimizer steps per variant")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    ap.add_argument("--answers", type=int, nargs="+", default=[1, 2], help="samples: answers kept per prompt")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--prompts", type=int, default=20, help="first N builtin:test prompts (all categories)")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--only", nargs="+", default=None, help="run only these variants of the study")
+    ap.add_argument(
+        "--drafts",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="compare: trained drafts to measure on the same prompts, each paired against the first",
+    )
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides for every variant (e.g. target.model=...)")
     args = ap.parse_intermixed_args(argv)
+    if args.study == "compare":
+        return compare(args)
     unknown = sorted(set(args.only or []) - set(VARIANTS[args.study]))
     if unknown:
         ap.error(f"--only {unknown}: not variants of {args.study} ({', '.join(VARIANTS[args.study])})")
@@ -168,14 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     fast_target = fast_model(target)
 
     runs = []
-    points = [(f, s) for f in (args.fractions if args.study == "data" else [1.0]) for s in args.seeds]
+    # (data fraction, answers per prompt, tag) per point: a `data` study varies the first, `samples` the second
+    points = {
+        "data": [(f, None, f"-{f:g}") for f in args.fractions],
+        "samples": [(1.0, k, f"-{k}answers") for k in args.answers],
+    }.get(args.study, [(1.0, None, "")])
     variants = {k: v for k, v in VARIANTS[args.study].items() if args.only is None or k in args.only}
     for name, overrides in variants.items():
-        for fraction, seed in points:
-            label = name + (f"-{fraction:g}" if args.study == "data" else "") + f"-seed{seed}"
-            train, tokens = subset(data.train, fraction, args.out / "data") if fraction < 1 else (data.train, None)
-            if tokens is None:
-                tokens = subset(data.train, 1.0, args.out / "data")[1]
+        for (fraction, answers, tag), seed in [(p, s) for p in points for s in args.seeds]:
+            label = f"{name}{tag}-seed{seed}"
+            whole = fraction == 1 and answers is None
+            train, tokens = subset(data.train, args.out / "data", fraction=fraction, answers=answers)
+            train = data.train if whole else train
             cfg = load_config(args.config, [*base, f"seed={seed}", *overrides])
             start = time.perf_counter()
             cand = distill_candidate(cfg, label, TeacherData(train, data.eval), teacher=target, tokenizer=tokenizer)
@@ -184,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 "variant": name,
                 "seed": seed,
                 "fraction": fraction,
+                "answers_per_prompt": answers,
                 "teacher_tokens": tokens,
                 "train_minutes": minutes,
                 "steps": args.steps,
@@ -211,6 +261,53 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "study.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
     if args.study == "data":
         plot_curve(runs, args.out / "curve.png")
+    print(f"wrote {args.out / 'study.json'}")
+    return 0
+
+
+def compare(args) -> int:
+    """Measure already trained drafts on the same prompts and pair each against the first: the difference in
+    acceptance_rate with a paired interval, which separates variants whose own intervals overlap."""
+    from specdec_runtime.bench import fast_model
+    from specdistill.config import load_config
+    from specdistill.pipeline import dist_state, eval_prompts, load_target
+
+    drafts = dict(d.split("=", 1) for d in args.drafts if "=" in d)
+    if len(drafts) < 2 or len(drafts) != len(args.drafts):
+        raise SystemExit("compare: give at least two --drafts as NAME=DIR (e.g. fkl=runs/x/candidates/fkl/best)")
+    missing = [d for d in drafts.values() if not (Path(d) / "config.json").is_file()]
+    if missing:
+        raise SystemExit(f"compare: {missing} hold no draft (config.json): pass a candidate's best/ folder")
+    cfg = load_config(args.config, list(args.overrides))
+    target, tokenizer, _ = load_target(cfg, dist_state(cfg.target.device))
+    prompts = eval_prompts("builtin:test", tokenizer, args.prompts, trained_on=cfg.data)
+    fast_target = fast_model(target)
+    runs = []
+    for name, path in drafts.items():
+        row = {"variant": name, "draft": path}
+        row |= measure(
+            fast_target, tokenizer, Path(path), prompts, gamma=args.gamma, max_new_tokens=args.max_new_tokens
+        )
+        if runs:
+            base = runs[0]
+            row["baseline"] = base["variant"]
+            row["difference"], row["difference_ci"] = paired_difference(base["per_prompt"], row["per_prompt"])
+        print(json.dumps({k: v for k, v in row.items() if k != "per_prompt"}), flush=True)
+        runs.append(row)
+    settings = {
+        "study": "compare",
+        "config": args.config,
+        "gamma": args.gamma,
+        "temperature": 0.0,
+        "draft_rule": "greedy",
+        "prompts": "builtin:test",
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "study.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
     print(f"wrote {args.out / 'study.json'}")
     return 0
 

@@ -1,0 +1,66 @@
+"""The recipe study's paired comparison (benchmarks/recipe_study.py compare): it must separate two drafts that
+differ consistently on the same prompts even where their own intervals overlap, and must not separate two drafts
+that differ only by noise."""
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("recipe_study", ROOT / "benchmarks" / "recipe_study.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def drafts(shift: float, seed: int = 0, prompts: int = 20) -> tuple[list, list]:
+    """(accepted, judged) per prompt for a base draft and another: prompt difficulty varies widely (what both share),
+    the other draft is accepted `shift` more often on every prompt, plus a little noise of its own."""
+    rng = random.Random(seed)
+    base, other = [], []
+    for _ in range(prompts):
+        judged = rng.randrange(30, 60)
+        p = rng.uniform(0.05, 0.45)
+        noise = rng.uniform(-0.01, 0.01)
+        base.append((round(p * judged), judged))
+        other.append((round(min(1.0, p + shift + noise) * judged), judged))
+    return base, other
+
+
+def unpaired_difference(base, other, *, draws: int = 2000, seed: int = 0):
+    """The broken variant: each draft's prompts resampled on their own, as if they had been measured on different
+    prompts; the prompts' shared difficulty stays in the interval."""
+    rng = random.Random(seed)
+    n = len(base)
+
+    def pooled(rows):
+        sample = [rows[rng.randrange(n)] for _ in range(n)]
+        return sum(a for a, _ in sample) / sum(b for _, b in sample)
+
+    stats = sorted(pooled(other) - pooled(base) for _ in range(draws))
+    return [stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]]
+
+
+def test_paired_difference_separates_a_consistent_gain_that_the_own_intervals_do_not(study):
+    base, other = drafts(shift=0.03)
+    own_base, own_other = study.bootstrap(base), study.bootstrap(other)
+    assert own_other[0] < own_base[1], "the drafts' own intervals must overlap for this test to mean anything"
+    diff, ci = study.paired_difference(base, other)
+    assert 0.02 < diff < 0.04
+    assert ci[0] > 0, f"a +0.03 gain on every prompt must be separated by the paired interval, got {ci}"
+    # the broken (unpaired) variant keeps the prompts' difficulty in the interval and cannot separate them
+    assert unpaired_difference(base, other)[0] < 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paired_difference_does_not_separate_noise(study, seed):
+    base, other = drafts(shift=0.0, seed=seed)
+    diff, ci = study.paired_difference(base, other)
+    assert ci[0] < diff < ci[1]
+    assert ci[0] < 0 < ci[1], f"no shift, yet the paired interval excludes 0: {ci}"
