@@ -246,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             runs.append(row)
 
+    write_study(args, runs, len(prompts))
+    if args.study == "data":
+        plot_curve(runs, args.out / "curve.png")
+    return 0
+
+
+def write_study(args, runs: list[dict], num_prompts: int) -> None:
+    """<out>/study.json: the runs and the settings they were measured under."""
     settings = {
         "study": args.study,
         "config": args.config,
@@ -253,16 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": 0.0,
         "draft_rule": "greedy",
         "prompts": "builtin:test",
-        "num_prompts": len(prompts),
+        "num_prompts": num_prompts,
         "max_new_tokens": args.max_new_tokens,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "study.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
-    if args.study == "data":
-        plot_curve(runs, args.out / "curve.png")
     print(f"wrote {args.out / 'study.json'}")
-    return 0
 
 
 def compare(args) -> int:
@@ -294,21 +300,7 @@ def compare(args) -> int:
             row["difference"], row["difference_ci"] = paired_difference(base["per_prompt"], row["per_prompt"])
         print(json.dumps({k: v for k, v in row.items() if k != "per_prompt"}), flush=True)
         runs.append(row)
-    settings = {
-        "study": "compare",
-        "config": args.config,
-        "gamma": args.gamma,
-        "temperature": 0.0,
-        "draft_rule": "greedy",
-        "prompts": "builtin:test",
-        "num_prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "study.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
-    print(f"wrote {args.out / 'study.json'}")
+    write_study(args, runs, len(prompts))
     return 0
 
 

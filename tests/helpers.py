@@ -24,6 +24,19 @@ from specdec_runtime.engine import generate
 from specdec_runtime.sampling import SamplingParams, warp_logits
 from specdec_runtime.tree import Tree, parse_tree, sibling_rank, tree_size
 
+# A child process's prelude (dedented source) that stops the run for two minutes right after it writes a checkpoint:
+# a SIGKILL sent once the first checkpoint is complete then always lands between two steps of a live run.
+PAUSE_AFTER_CHECKPOINT = """
+import time
+import train.checkpoint
+_save = train.checkpoint.save_checkpoint
+def _save_then_wait(*args, **kwargs):
+    path = _save(*args, **kwargs)
+    time.sleep(120)
+    return path
+train.checkpoint.save_checkpoint = _save_then_wait
+"""
+
 TESTS = Path(__file__).resolve().parent
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 from helpers import (
+    PAUSE_AFTER_CHECKPOINT,
     TESTS,
     accelerate_launcher,
     assert_same_logs,
@@ -308,17 +309,7 @@ def test_a_sigkilled_two_process_eagle3_run_resumes_to_the_same_result(straight)
     1 waits for it); a new 2-process launch resumes from step 1 and ends where the one-process straight run does."""
     root, data, single = straight
     out = root / "killed"
-    pause = """
-    import time
-    import train.checkpoint
-    save = train.checkpoint.save_checkpoint
-    def save_then_wait(*args, **kwargs):
-        path = save(*args, **kwargs)
-        time.sleep(120)
-        return path
-    train.checkpoint.save_checkpoint = save_then_wait
-    """
-    args, env = child_script(root, data, {out: (3,)}, prelude=pause)
+    args, env = child_script(root, data, {out: (3,)}, prelude=PAUSE_AFTER_CHECKPOINT)
     child = subprocess.Popen([sys.executable, *TORCHRUN, *args], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT)  # fmt: skip
     cand = out / "candidates" / "draft"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    PAUSE_AFTER_CHECKPOINT,
     TESTS,
     assert_same_logs,
     assert_same_weights,
@@ -58,21 +59,15 @@ def test_sigkilled_run_resumes_to_the_same_result(reference, tmp_path):
     # The child pauses after its first checkpoint, so the SIGKILL always lands between two steps of a live run.
     script = tmp_path / "child.py"
     script.write_text(
-        textwrap.dedent(f"""
-        import sys, time
+        PAUSE_AFTER_CHECKPOINT
+        + textwrap.dedent(f"""
+        import sys
         from pathlib import Path
         sys.path.insert(0, {str(TESTS)!r})
         import specdistill.pipeline
-        import train.checkpoint
         from distill.data import TeacherData
         from helpers import train_config
 
-        save = train.checkpoint.save_checkpoint
-        def save_then_wait(*args, **kwargs):
-            path = save(*args, **kwargs)
-            time.sleep(120)
-            return path
-        train.checkpoint.save_checkpoint = save_then_wait
         data = TeacherData(Path({str(data.train)!r}), Path({str(data.eval)!r}))
         specdistill.pipeline.distill_candidate(train_config(Path({str(out)!r}), *{SETTINGS!r}), "draft", data)
     """)
