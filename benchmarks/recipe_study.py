@@ -280,7 +280,9 @@ def compare(args) -> int:
 
     drafts = dict(d.split("=", 1) for d in args.drafts if "=" in d)
     if len(drafts) < 2 or len(drafts) != len(args.drafts):
-        raise SystemExit("compare: give at least two --drafts as NAME=DIR (e.g. fkl=runs/x/candidates/fkl/best)")
+        raise SystemExit(
+            "compare: give two or more --drafts as NAME=DIR with distinct names (e.g. fkl=runs/x/candidates/fkl/best)"
+        )
     missing = [d for d in drafts.values() if not (Path(d) / "config.json").is_file()]
     if missing:
         raise SystemExit(f"compare: {missing} hold no draft (config.json): pass a candidate's best/ folder")
