@@ -83,31 +83,30 @@ def rate(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
-def bootstrap(per_prompt: list[tuple[int, int]], ratio=rate, *, draws: int = 2000, seed: int = 0) -> list[float]:
-    """95 % percentile interval of ratio(sum num, sum den) over prompts resampled with replacement."""
+def pooled(per_prompt: list[tuple[int, int]], idx) -> float:
+    """rate(sum num, sum den) over the prompts `idx` (with repeats: a bootstrap sample)."""
+    return rate(sum(per_prompt[i][0] for i in idx), sum(per_prompt[i][1] for i in idx))
+
+
+def percentile_interval(stat, n: int, *, draws: int = 2000, seed: int = 0) -> list[float]:
+    """95 % percentile interval of stat(indices) over `draws` resamples of n prompts with replacement (fixed seed)."""
     rng = random.Random(seed)
-    stats = []
-    for _ in range(draws):
-        sample = [per_prompt[rng.randrange(len(per_prompt))] for _ in per_prompt]
-        stats.append(ratio(sum(a for a, _ in sample), sum(b for _, b in sample)))
-    stats.sort()
+    stats = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
     return [stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]]
 
 
-def paired_difference(base: list[tuple[int, int]], other: list[tuple[int, int]], *, draws: int = 2000, seed: int = 0):
+def bootstrap(per_prompt: list[tuple[int, int]], **kw) -> list[float]:
+    """95 % interval of the pooled rate sum(num) / sum(den), a prompt's counts resampled whole."""
+    return percentile_interval(lambda idx: pooled(per_prompt, idx), len(per_prompt), **kw)
+
+
+def paired_difference(base: list[tuple[int, int]], other: list[tuple[int, int]], **kw) -> tuple[float, list[float]]:
     """other's acceptance_rate minus base's on the same prompts, and its 95 % interval: the prompts are resampled
     once for both drafts, so what the two share (an easy prompt is easy for both) cancels out of the difference and
     the interval is far narrower than the two drafts' own intervals side by side."""
     assert len(base) == len(other), "paired drafts must be measured on the same prompts"
-
-    def diff(idx) -> float:
-        pooled = lambda rows: rate(sum(rows[i][0] for i in idx), sum(rows[i][1] for i in idx))  # noqa: E731
-        return pooled(other) - pooled(base)
-
-    rng = random.Random(seed)
-    n = len(base)
-    stats = sorted(diff([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
-    return diff(range(n)), [stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]]
+    diff = lambda idx: pooled(other, idx) - pooled(base, idx)  # noqa: E731
+    return diff(range(len(base))), percentile_interval(diff, len(base), **kw)
 
 
 def measure(target, tokenizer, draft_dir: Path, prompts, *, gamma: int, max_new_tokens: int) -> dict:
@@ -131,9 +130,9 @@ def measure(target, tokenizer, draft_dir: Path, prompts, *, gamma: int, max_new_
     acc, tau = list(zip(accepted, judged)), list(zip([a + s for a, s in zip(accepted, steps)], steps))
     return {
         "acceptance_rate": rate(sum(accepted), sum(judged)),
-        "acceptance_rate_ci": bootstrap(acc, rate),
+        "acceptance_rate_ci": bootstrap(acc),
         "mean_accepted_length": rate(sum(accepted) + sum(steps), sum(steps)),
-        "mean_accepted_length_ci": bootstrap(tau, rate),
+        "mean_accepted_length_ci": bootstrap(tau),
         "prompts": len(prompts),
         "per_prompt": [list(x) for x in acc],  # (accepted, judged) per prompt: what `compare` pairs
     }
@@ -145,6 +144,8 @@ def subset(train: Path, out: Path, *, fraction: float = 1.0, answers: int | None
     from distill.data import COMPLETE, load_teacher_data
 
     ds = load_teacher_data(train)
+    if fraction >= 1 and answers is None:  # the whole set: only its token count is needed, not a copy
+        return Path(train), sum(len(ids) - p for ids, p in zip(ds["input_ids"], ds["prompt_len"]))
     if answers is None:
         keep, path = range(max(1, math.ceil(fraction * len(ds)))), out / f"train-{fraction:g}"
     else:  # row ids are "<prompt id>#<answer index>"
@@ -222,9 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, overrides in variants.items():
         for (fraction, answers, tag), seed in [(p, s) for p in points for s in args.seeds]:
             label = f"{name}{tag}-seed{seed}"
-            whole = fraction == 1 and answers is None
             train, tokens = subset(data.train, args.out / "data", fraction=fraction, answers=answers)
-            train = data.train if whole else train
             cfg = load_config(args.config, [*base, f"seed={seed}", *overrides])
             start = time.perf_counter()
             cand = distill_candidate(cfg, label, TeacherData(train, data.eval), teacher=target, tokenizer=tokenizer)

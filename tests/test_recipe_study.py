@@ -64,3 +64,36 @@ def test_paired_difference_does_not_separate_noise(study, seed):
     diff, ci = study.paired_difference(base, other)
     assert ci[0] < diff < ci[1]
     assert ci[0] < 0 < ci[1], f"no shift, yet the paired interval excludes 0: {ci}"
+
+
+def test_a_study_and_its_compare_run_end_to_end(study, tmp_path, monkeypatch):
+    """The script's real path on the smoke target: a trained variant, then `compare` of that draft with itself,
+    which must measure the same rate twice and a paired difference of exactly 0."""
+    import json
+
+    monkeypatch.chdir(ROOT)
+    common = ["--config", "configs/smoke.yaml", "--prompts", "2", "--max-new-tokens", "8", "--gamma", "2"]
+    out = tmp_path / "objectives"
+    # output_dir: the teacher data goes under the test's folder too, not the config's runs/smoke
+    argv = ["objectives", *common, "--steps", "2", "--only", "ce", "--out", str(out), f"output_dir={out}"]
+    assert study.main(argv) == 0
+    (run,) = json.loads((out / "study.json").read_text())["runs"]
+    assert run["variant"] == "ce" and run["teacher_tokens"] > 0 and len(run["per_prompt"]) == 2
+    assert not (out / "data" / "train-1").exists(), "the whole teacher set must not be copied"
+    best = out / "candidates" / "ce-seed0" / "best"
+    argv = [
+        "compare",
+        *common,
+        "--drafts",
+        f"a={best}",
+        f"b={best}",
+        "--out",
+        str(tmp_path / "cmp"),
+        f"output_dir={out}",
+    ]
+    assert study.main(argv) == 0
+    a, b = json.loads((tmp_path / "cmp" / "study.json").read_text())["runs"]
+    assert a["acceptance_rate"] == b["acceptance_rate"] == run["acceptance_rate"]
+    assert b["difference"] == 0 and b["difference_ci"] == [0, 0]
+    with pytest.raises(SystemExit, match="distinct names"):
+        study.main(["compare", *common, "--drafts", f"a={best}", f"a={best}", "--out", str(tmp_path / "bad")])
