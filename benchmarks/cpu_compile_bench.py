@@ -1,10 +1,10 @@
 """torch.compile of the CPU fast path's decode and verify steps (issue 14): eager against Inductor, measured.
 
-The model is the one the runtime decodes with on the CPU (`bench.fast_model`: the compact Llama of `llama.py` with
-its static cache and the fused, laid-out-once weights of `cpu.py`; fp32 target, `cpu.draft_dtype()` draft). A context
-of `--context` tokens is prefilled eagerly into the static cache, then each step is timed at that fixed position, so
-that every call of a step has the same shapes (on the fast path the mask spans exactly context + T slots) and
-overwrites the same slots (the cache state, hence the logits, are the same every call). Steps:
+The model is the one the runtime decodes with on the CPU (`backends.fast_model`: the compact Llama of `llama.py`
+with its static cache and the fused, laid-out-once weights of `cpu.py`; fp32 target, `cpu.draft_dtype()` draft). A
+context of `--context` tokens is prefilled eagerly into the static cache, then each step is timed at that fixed
+position, so that every call of a step has the same shapes (on the fast path the mask spans exactly context + T slots)
+and overwrites the same slots (the cache state, hence the logits, are the same every call). Steps:
 
 - target decode step (1 token), target verify forwards of 4 and 8 tokens (gamma 3 and 7), and the decode step of
   the 4-layer truncated draft (`--draft-layers`).
@@ -59,7 +59,7 @@ from collections.abc import Callable
 import torch
 
 from distill.students import evenly_spaced_layers, truncate_student
-from specdec_runtime.bench import backend_name, fast_model
+from specdec_runtime.backends import backend_name, fast_model
 from specdec_runtime.llama import Llama, StaticState
 
 VARIANTS = {

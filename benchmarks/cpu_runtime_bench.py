@@ -37,14 +37,8 @@ import torch
 from distill.prompts import load_prompts, render_chat
 from distill.students import evenly_spaced_layers, truncate_student
 from specdec_runtime.ab import capture_graphs, cost_model, paired_runs, paired_speedup, pooled
-from specdec_runtime.bench import (
-    VerifyWidths,
-    backend_name,
-    fair_assistant,
-    fast_model,
-    hf_assisted,
-    hf_generation_config,
-)
+from specdec_runtime.backends import BackendOptions, backend_name, fast_model
+from specdec_runtime.bench import VerifyWidths, fair_assistant, hf_assisted, hf_generation_config
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.loading import load_model, stop_token_ids
 from specdec_runtime.metrics import GenerationStats
@@ -272,10 +266,11 @@ def main() -> None:
     target, tokenizer = load_model(args.target, device="cpu")
     draft = truncate_student(target, evenly_spaced_layers(target.config.num_hidden_layers, args.draft_layers))
     stop = stop_token_ids(target, tokenizer)
+    compiled = BackendOptions(cpu_compile=True)
     builders = {
         "hf": lambda: (target, draft),
         "fast": lambda: (fast_model(target), fast_model(draft, draft=True)),
-        "compiled": lambda: (fast_model(target, cpu_compile=True), fast_model(draft, draft=True, cpu_compile=True)),
+        "compiled": lambda: (fast_model(target, compiled), fast_model(draft, compiled, draft=True)),
     }
     models = {b: builders[b]() for b in args.backends}
     records = load_prompts(args.prompts)

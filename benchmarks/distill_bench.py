@@ -43,7 +43,8 @@ from pathlib import Path
 import datasets
 import torch
 
-from distill.data import COMPLETE, TeacherData, epoch_order, features, load_teacher_data
+from distill.batches import epoch_order
+from distill.data import COMPLETE, TeacherData, features, load_teacher_data
 from distill.prompts import load_prompts, render_chat
 from distill.students import evenly_spaced_layers, truncate_student
 from specdec_runtime.ab import abba_order, bootstrap_ci, median, paired_runs, paired_speedup
@@ -151,14 +152,14 @@ def run_ours(args, data: TeacherData) -> dict:
         ],
     )
     marks = {}
-    evaluate = loop.evaluate
+    validate = loop.validation.validate
 
-    def evaluate_after_training(*a, **kw):
+    def validate_after_training(*a, **kw):
         # The loop validates once, after its last step: the peak so far is that of loading plus training.
         marks.setdefault("peak_rss_mb", peak_rss_mb())
-        return evaluate(*a, **kw)
+        return validate(*a, **kw)
 
-    loop.evaluate = evaluate_after_training
+    loop.validation.validate = validate_after_training
     cand = distill_candidate(cfg, "bench", data)
     rows = [json.loads(line) for line in (cand / "metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if "train/loss" in row]
@@ -276,7 +277,7 @@ def run_profile(args, data: TeacherData) -> dict:
     per-tensor on the CPU; HF Trainer's default: fused AdamW)."""
     from trl.experimental.gkd import GKDTrainer
 
-    from distill.data import collate
+    from distill.batches import collate
     from distill.objectives import TeacherTargets, distill_loss, teacher_forward
     from distill.students import chunked_head, student_hidden
 

@@ -36,7 +36,8 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec_runtime.ab import paired_metrics, paired_runs, pooled
-from specdec_runtime.bench import format_bench_table, full_units, longest_unit, run_bench
+from specdec_runtime.backends import full_units, longest_unit
+from specdec_runtime.bench import format_bench_table, run_bench
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.llama import Llama
 from specdec_runtime.metrics import GenerationStats

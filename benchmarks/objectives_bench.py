@@ -2,9 +2,9 @@
 
 For each candidate of the config (by default configs/bench-objectives.yaml: a 4-layer truncation of the embedded
 SmolLM2-135M-Instruct distilled with ce (sequence-level KD), forward KL and TV, same data, steps, batch and lr
-schedule), it reports the held-out `expected_acceptance` (sum_v min(p, q)) and greedy top-1 match with the target:
-"before" measured on the untrained student by the trainer's own validation function (`train.validation.evaluate`, on the
-same held-out teacher data), "after" read from the candidate's best/metrics.json, plus each candidate's wall time.
+schedule), it reports the validation `expected_acceptance` (sum_v min(p, q)) and greedy top-1 match with the target:
+"before" measured on the untrained student by the trainer's own validation loop (`train.validation.validate`, on the
+same validation teacher data), "after" read from the candidate's best/metrics.json, plus each candidate's wall time.
 
     python benchmarks/objectives_bench.py                                      # CPU: ~12 minutes on 2 cores
     python benchmarks/objectives_bench.py train.max_steps=4 --json objectives_bench.json   # key=value overrides
@@ -17,7 +17,6 @@ the config restarts every candidate (train.resume=false), so the wall times are 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from pathlib import Path
@@ -27,11 +26,10 @@ from accelerate.utils import set_seed
 
 from distill.data import TeacherData, load_teacher_data
 from distill.students import build_student
-from specdec_runtime.loading import check_vocab_compatible, load_model
-from specdistill.config import RootConfig, candidate_config, candidate_names, load_config, to_dict
+from specdistill.config import RootConfig, load_config, to_dict
 from specdistill.pipeline import dist_state, load_target, stage_data
 from specdistill.pipeline import distill_candidate as distill
-from train.validation import evaluate
+from train.validation import validate
 
 METRICS = ("eval/expected_acceptance", "eval/greedy_match")
 
@@ -39,20 +37,14 @@ METRICS = ("eval/expected_acceptance", "eval/greedy_match")
 def untrained_metrics(cfg: RootConfig, teacher, tokenizer, teacher_data: TeacherData, device: str) -> dict:
     """Validation metrics of the student as `distill` builds it, before its first step."""
     set_seed(cfg.seed)  # the seed distill builds the student under (init=config draws random weights)
-    load_draft = functools.partial(load_model, dtype=cfg.target.dtype, device=str(teacher.device))
-    student = build_student(
-        teacher,
-        cfg.draft,
-        load_model=load_draft,
-        check_vocab=functools.partial(check_vocab_compatible, tokenizer),
-        teacher_tokenizer=tokenizer,
-    ).float()
+    load_options = {"dtype": cfg.target.dtype}
+    student = build_student(teacher, cfg.draft, teacher_tokenizer=tokenizer, load_options=load_options).float()
     cache = cfg.distill.teacher == "cache"
     columns = ["input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if cache else [])
-    eval_ds = load_teacher_data(teacher_data.eval).select_columns(columns)
+    validation_ds = load_teacher_data(teacher_data.eval).select_columns(columns)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     accelerator = Accelerator(cpu=device == "cpu")
-    return evaluate(student, None if cache else teacher, eval_ds, accelerator, cfg.distill, cfg.train, pad_id)
+    return validate(student, None if cache else teacher, validation_ds, accelerator, cfg.distill, cfg.train, pad_id)
 
 
 def main() -> None:
@@ -69,8 +61,7 @@ def main() -> None:
     data_s = time.perf_counter() - start
 
     results, before = [], {}
-    for name in candidate_names(cfg):
-        resolved = candidate_config(cfg, name) if cfg.candidates else cfg
+    for name, resolved in cfg.candidate_configs.items():
         # Candidates that share a draft (and the way it is scored) share the "before" numbers.
         key = json.dumps([to_dict(resolved.draft), resolved.distill.teacher], sort_keys=True)
         if key not in before:
@@ -89,11 +80,12 @@ def main() -> None:
             }
         )
 
-    tc, dc = cfg.train, cfg.data
+    train_cfg, data_cfg = cfg.train, cfg.data
     print(
-        f"\ntarget {cfg.target.model}; {tc.max_steps} steps x batch {tc.batch_size} x grad_accum {tc.grad_accum}, "
-        f"lr {tc.lr:g} (warm-up {tc.warmup_steps}, cosine); data: {dc.max_prompts} prompts x {dc.num_samples} "
-        f"teacher samples of <= {dc.max_new_tokens} tokens; validation: {dc.max_validation_prompts} prompts"
+        f"\ntarget {cfg.target.model}; {train_cfg.max_steps} steps x batch {train_cfg.batch_size} x grad_accum "
+        f"{train_cfg.grad_accum}, lr {train_cfg.lr:g} (warm-up {train_cfg.warmup_steps}, cosine); data: "
+        f"{data_cfg.max_prompts} prompts x {data_cfg.num_samples} teacher samples of <= {data_cfg.max_new_tokens} "
+        f"tokens; validation: {data_cfg.max_validation_prompts} prompts"
     )
     print(
         "\n| candidate | objective | expected_acceptance before | after | greedy_match before | after | best step "

@@ -111,7 +111,7 @@ def paired_difference(base: list[tuple[int, int]], other: list[tuple[int, int]],
 
 def measure(target, tokenizer, draft_dir: Path, prompts, *, gamma: int, max_new_tokens: int) -> dict:
     """Greedy chains at T = 0 over `prompts`, one at a time: acceptance and tau with intervals over prompts."""
-    from specdec_runtime.bench import fast_model
+    from specdec_runtime.backends import fast_model
     from specdec_runtime.engine import generate
     from specdec_runtime.loading import load_draft_model, stop_token_ids
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only {unknown}: not variants of {args.study} ({', '.join(VARIANTS[args.study])})")
 
     from distill.data import TeacherData
-    from specdec_runtime.bench import fast_model
+    from specdec_runtime.backends import fast_model
     from specdistill.config import load_config
     from specdistill.pipeline import dist_state, distill_candidate, eval_prompts, load_target, stage_data
 
@@ -273,7 +273,7 @@ def write_study(args, runs: list[dict], num_prompts: int) -> None:
 def compare(args) -> int:
     """Measure already trained drafts on the same prompts and pair each against the first: the difference in
     acceptance_rate with a paired interval, which separates variants whose own intervals overlap."""
-    from specdec_runtime.bench import fast_model
+    from specdec_runtime.backends import fast_model
     from specdistill.config import load_config
     from specdistill.pipeline import dist_state, eval_prompts, load_target
 

@@ -29,7 +29,7 @@ import torch
 from distill.prompts import load_prompts, render_chat
 from distill.students import evenly_spaced_layers, truncate_student
 from specdec_runtime.ab import paired_metrics, paired_runs, paired_speedup, pooled
-from specdec_runtime.bench import fast_model, full_units, longest_unit
+from specdec_runtime.backends import fast_model, full_units, longest_unit
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.loading import load_model, stop_token_ids
 from specdec_runtime.tree import parse_tree, tree_size

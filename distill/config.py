@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 OBJECTIVES = ("forward_kl", "reverse_kl", "jsd", "tv", "ce")
-
-
-def deprecated(message: str) -> None:
-    """One stderr line for a deprecated key or value that still works (the CLI's errors look the same)."""
-    print(f"specdistill: warning: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -52,19 +46,7 @@ class DataConfig:
     teacher_cache_top_k: int = 32
     """k of the offline teacher cache."""
 
-    # Old key -> new key: YAML files and overrides with the old name still load, with a FutureWarning.
-    RENAMED: ClassVar[dict[str, str]] = {
-        "eval_prompts": "validation_prompts",
-        "max_eval_prompts": "max_validation_prompts",
-    }
-
     def __post_init__(self) -> None:
-        if self.validation_prompts == "builtin:eval":  # the old default, since split into validation and test
-            deprecated(
-                "data.validation_prompts: builtin:eval is deprecated (split into builtin:validation and "
-                "builtin:test); using builtin:validation"
-            )
-            self.validation_prompts = "builtin:validation"
         if isinstance(self.prompts, list):
             _check_sources(self.prompts)
         for name in ("max_prompts", "max_validation_prompts"):

@@ -1,7 +1,9 @@
 """Teacher-generated distillation data (sequence-level KD), written in resumable shards, and the offline top-k cache.
 
 The teacher answers every training prompt `num_samples` times; the answers are the distillation data (Kim & Rush
-2016, sequence-level KD). Held-out prompts get the same treatment in a second dataset, for validation.
+2016, sequence-level KD). The validation prompts get the same treatment in a second dataset. Which prompts play
+which role is distill/prompt_roles.py's call; the training batches are built from these datasets in
+distill/batches.py.
 
     data = generate_teacher_data(teacher, tokenizer, cfg.data, Path(cfg.output_dir) / "data", teacher_id=spec)
     train = load_teacher_data(data.train)   # columns: id, category, input_ids, prompt_len[, topk_ids, topk_logprobs]
@@ -27,7 +29,7 @@ import hashlib
 import json
 import math
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,20 +41,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from distill.config import DataConfig
-from distill.prompts import (
-    SELF_INSTRUCT,
-    PromptRecord,
-    concat_sources,
-    load_prompts,
-    load_sources,
-    overlap_count,
-    render_chat,
-    save_prompts,
-    self_instruct_prompts,
-    without_prompts,
-)
+from distill.prompt_roles import training_prompts, validation_prompts
+from distill.prompts import SELF_INSTRUCT, PromptRecord, load_prompts, render_chat, save_prompts
+from distill.self_instruct import self_instruct_prompts
 from specdec_runtime.atomic import staged_dir, write_text
-from specdec_runtime.bench import fast_model
+from specdec_runtime.backends import BackendOptions, fast_model
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.loading import stop_token_ids
 
@@ -69,7 +62,7 @@ class TeacherData:
     train: Path
     """Teacher answers to the training prompts (a finished `save_to_disk` folder)."""
     eval: Path
-    """Teacher answers to the held-out prompts, same format, for validation."""
+    """Teacher answers to the validation prompts, same format."""
 
 
 AUX_HIDDEN = "aux_hidden"  # offline cache for EAGLE-3 heads: (tokens, n_aux * H) fp16, every prompt + response position
@@ -108,20 +101,19 @@ def generate_teacher_data(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     aux_layers: list[int] | None = None,
-    cpu_fast_path: bool = True,
-    cpu_compile: bool = False,
+    backend: BackendOptions = BackendOptions(),
 ) -> TeacherData:
-    """Generate (or find cached) teacher answers to the training and held-out prompts.
+    """Generate (or find cached) teacher answers to the training and validation prompts.
 
-    The answers are decoded by `specdec_runtime.bench.fast_model(teacher, cpu_fast_path)` (on the CPU the runtime's
-    fast CPU path, `target.cpu_fast_path`, its steps compiled with `cpu_compile`, `target.cpu_compile`); the top-k
-    cache and hidden states come from the HF teacher itself.
+    The answers are decoded by `specdec_runtime.backends.fast_model(teacher, backend)` (on the CPU the runtime's
+    fast CPU path, `target.cpu_fast_path`, its steps compiled with `target.cpu_compile`: `TargetConfig.backend`);
+    the top-k cache and hidden states come from the HF teacher itself.
 
     `aux_layers` (HF output_hidden_states indices): with the offline cache on, also store the teacher's hidden
     states there, fp16, at every position (`AUX_HIDDEN`), for EAGLE-3 candidates that train from the cache.
 
-    Validation prompts are never trained on: training prompts that also appear in `cfg.validation_prompts` (all of
-    it, not only the first max_validation_prompts) are dropped, and the count is printed.
+    The prompts are `prompt_roles.training_prompts` (the self_instruct ones written here by the teacher) and
+    `prompt_roles.validation_prompts`: validation prompts are never trained on, and the dropped count is printed.
 
     `teacher_id` identifies the teacher weights (spec + resolved folder) in the fingerprint. With world_size > 1,
     the i-th shard is written by rank i % world_size and rank 0 merges; `barrier` (e.g. `accelerator.wait_for_everyone`)
@@ -137,14 +129,15 @@ def generate_teacher_data(
     out_dir = Path(out_dir)
     stop_ids = list(stop_token_ids(teacher, tokenizer))
     job = dict(cfg=cfg, out_dir=out_dir, teacher_id=teacher_id, seed=seed, stop_ids=stop_ids, rank=rank)
-    decoder = fast_model(teacher, cpu_fast_path, cpu_compile=cpu_compile)  # the model the engine decodes with
+    decoder = fast_model(teacher, backend)  # the model the engine decodes with
     write_self_instruct = functools.partial(_self_instruct_records, decoder, tokenizer, barrier=barrier, **job)
-    train_records = concat_sources(load_sources(cfg.prompts, self_instruct=write_self_instruct))
-    eval_records = load_prompts(cfg.validation_prompts)
-    train_records = drop_held_out(train_records, eval_records, log=print if rank == 0 else None)
+    # The split names are in the fingerprints and batch seeds: renaming one would regenerate every run's data.
     splits = {
-        "teacher": (cfg.prompts, train_records[: cfg.max_prompts or None]),
-        "teacher-eval": (cfg.validation_prompts, eval_records[: cfg.max_validation_prompts or None]),
+        "teacher": (
+            cfg.prompts,
+            training_prompts(cfg, self_instruct=write_self_instruct, log=print if rank == 0 else None),
+        ),
+        "teacher-eval": (cfg.validation_prompts, validation_prompts(cfg)),
     }
     prompt_ids = {}
     for split, (source, records) in splits.items():  # every check before any generation
@@ -181,50 +174,6 @@ def load_teacher_data(path: Path) -> datasets.Dataset:
     return datasets.load_from_disk(str(path))
 
 
-def load_training_split(
-    path: Path, columns: list[str], *, split: str, max_seq_len: int, log: Callable[[str], object] = print
-) -> datasets.Dataset:
-    """The finished `split` dataset (train or eval) at `path` with `columns` only; refused when it lacks a column
-    (the top-k cache) or holds nothing to learn from within `max_seq_len` tokens."""
-    ds = load_teacher_data(path)
-    if len(ds) == 0:
-        raise ValueError(f"{path} holds no sequences; generate the {split} data again")
-    if missing := [c for c in columns if c not in ds.column_names]:
-        raise ValueError(
-            f"{path} has no {missing} columns; distill.teacher=cache needs data generated with data.teacher_cache=true"
-        )
-    full = int((np.asarray(ds.select_columns(["prompt_len"])[:]["prompt_len"]) >= max_seq_len).sum())
-    if full == len(ds):
-        raise ValueError(
-            f"every prompt in {path} fills train.max_seq_len={max_seq_len}: no response token is left to learn "
-            "from; raise train.max_seq_len"
-        )
-    if full:
-        log(
-            f"warning: {full} of {len(ds)} sequences in {path} keep no response token within "
-            f"train.max_seq_len={max_seq_len}"
-        )
-    return ds.select_columns(columns)
-
-
-def cache_stats(path: Path) -> dict:
-    """Size of the offline teacher cache: {"tokens", "bytes_per_token", "top_k"} (raw payload of both columns)."""
-    table = load_teacher_data(path).data
-    if "topk_ids" not in table.column_names:
-        raise ValueError(f"{path} has no offline teacher cache; generate it with data.teacher_cache=true")
-    return _cache_payload(table)
-
-
-def _cache_payload(table) -> dict:
-    tokens = pc.sum(pc.list_value_length(table.column("topk_ids"))).as_py() or 0
-    payload = 0
-    for name in ("topk_ids", "topk_logprobs"):
-        values = pc.list_flatten(pc.list_flatten(table.column(name)))
-        payload += len(values) * values.type.byte_width
-    top_k = table.schema.field("topk_ids").type.value_type.list_size
-    return {"tokens": tokens, "bytes_per_token": payload / max(tokens, 1), "top_k": top_k}
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Leaf functions
 
@@ -241,65 +190,6 @@ def check_context(teacher, records: list[PromptRecord], prompt_ids: list[list[in
             f"{max_new_tokens} it exceeds the teacher's context of {context} tokens; lower data.max_new_tokens or "
             "data.max_prompt_tokens (longer prompts are refused)"
         )
-
-
-def training_prompts(cfg: DataConfig) -> list[PromptRecord] | None:
-    """The prompts the `data` stage answers for training: data.prompts (a list's sources concatenated) without the
-    data.validation_prompts, the first data.max_prompts of them; None for self_instruct (the teacher writes those at
-    data time)."""
-    if cfg.prompts == SELF_INSTRUCT:
-        return None
-    return [r for _, records in training_prompts_by_source(cfg) for r in records]
-
-
-def training_prompts_by_source(cfg: DataConfig) -> list[tuple[str, list[PromptRecord]]]:
-    """`training_prompts` as (source, records) per source of data.prompts. A self_instruct source is written at data
-    time and counts as empty here, so the other sources keep at least the prompts the data stage answers."""
-    parts = load_sources(cfg.prompts)
-    kept = drop_held_out(concat_sources(parts), load_prompts(cfg.validation_prompts), log=None)
-    ids = {r.id for r in kept[: cfg.max_prompts or None]}
-    return [(source, [r for r in records if r.id in ids]) for source, records in parts]
-
-
-def validation_prompts(cfg: DataConfig) -> list[PromptRecord]:
-    """The prompts the `data` stage answers for validation (checkpoint selection, best/): the first
-    data.max_validation_prompts of data.validation_prompts."""
-    return load_prompts(cfg.validation_prompts)[: cfg.max_validation_prompts or None]
-
-
-def check_test_prompts(cfg: DataConfig, test: Sequence[PromptRecord], source: str) -> None:
-    """Refuse test prompts (eval.prompts=`source`) that the drafts were trained or selected on: compared with the
-    training and validation prompts the data stage answers, by `prompt_key` as `drop_held_out` does, with the count
-    per source of a data.prompts list. Prompts of a self_instruct source are written at data time and not checked."""
-    parts = training_prompts_by_source(cfg)
-    keys = ["data.prompts"] if isinstance(cfg.prompts, str) else [f"data.prompts[{i}]" for i in range(len(parts))]
-    roles = {f"training prompts ({key}={source})": records for key, (source, records) in zip(keys, parts)}
-    roles[f"validation prompts (data.validation_prompts={cfg.validation_prompts})"] = validation_prompts(cfg)
-    shared = {role: n for role, records in roles.items() if (n := overlap_count(test, records))}
-    if shared:
-        overlaps = " and ".join(f"{n} with the {role}" for role, n in shared.items())
-        raise ValueError(
-            f"{len(test)} test prompts (eval.prompts={source}) share {overlaps}; test prompts must be unseen by "
-            "training and checkpoint selection: point eval.prompts at a disjoint set (e.g. builtin:test)"
-        )
-
-
-def drop_held_out(
-    records: list[PromptRecord], held_out: Sequence[PromptRecord], *, log: Callable[[str], object] | None = print
-) -> list[PromptRecord]:
-    """The training `records` without the prompts that also appear in `held_out` (order kept)."""
-    kept = without_prompts(records, held_out)
-    if len(kept) < len(records) and log is not None:
-        log(
-            f"data: dropped {len(records) - len(kept)} of {len(records)} training prompts that are also validation "
-            "prompts (data.validation_prompts): validation prompts are never trained on"
-        )
-    if records and not kept:
-        raise ValueError(
-            "every training prompt is also a validation prompt; point data.prompts and data.validation_prompts at "
-            "disjoint sets (e.g. builtin:train and builtin:validation)"
-        )
-    return kept
 
 
 def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -557,13 +447,23 @@ def _merge(root: Path, shards: list[str], *, num_prompts: int, num_samples: int,
     tokens = pc.sum(lengths).as_py() - pc.sum(ds.data.column("prompt_len")).as_py()
     summary = {"prompts": num_prompts, "samples": num_samples, "rows": len(ds), "response_tokens": tokens}
     if "topk_ids" in ds.column_names:
-        summary["cache_bytes_per_token"] = _cache_payload(ds.data)["bytes_per_token"]
+        summary["cache_bytes_per_token"] = _cache_bytes_per_token(ds.data)
     if AUX_HIDDEN in ds.column_names:  # fp16 values over every position, per response token like the top-k
         values = pc.list_flatten(pc.list_flatten(ds.data.column(AUX_HIDDEN)))
         summary |= {"aux_layers": aux_layers, "aux_bytes_per_token": len(values) * 2 / max(tokens, 1)}
     write_text(root / COMPLETE, json.dumps(summary))
     shutil.rmtree(root / "shards", ignore_errors=True)
     return summary
+
+
+def _cache_bytes_per_token(table) -> float:
+    """Raw payload of the offline teacher cache (both top-k columns) per response token."""
+    tokens = pc.sum(pc.list_value_length(table.column("topk_ids"))).as_py() or 0
+    payload = 0
+    for name in ("topk_ids", "topk_logprobs"):
+        values = pc.list_flatten(pc.list_flatten(table.column(name)))
+        payload += len(values) * values.type.byte_width
+    return payload / max(tokens, 1)
 
 
 def _summary(summary: dict, root: Path) -> str:
@@ -643,115 +543,3 @@ def _self_instruct_records(
             f"{path} is missing: rank 0 writes the self_instruct prompts; concurrent ranks must pass barrier="
         )
     return load_prompts(path)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Training batches: the distillation recipe's row order, micro-batches and on-policy rows
-
-IGNORE = -100  # label of a position that predicts no response token
-
-
-@functools.lru_cache(maxsize=2)
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The row order of `epoch`: a permutation drawn from an explicit generator, identical on every process."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-
-
-def micro_batch_indices(
-    order: list[int], batch: int, micro: int, *, rank: int, world: int, batch_size: int, grad_accum: int
-) -> list[int]:
-    """Rows of one process's micro-batch: the global batch `batch` is split micro-batch-major, then by rank, so
-    any (processes, grad_accum, batch_size) with the same product covers the same rows in one optimizer step."""
-    start = (batch * grad_accum * world + micro * world + rank) * batch_size
-    return order[start : start + batch_size]
-
-
-def fetch_rows(ds: datasets.Dataset, indices: list[int]) -> list[dict]:
-    columns = ds[indices]  # {column: [value per row]}
-    return [dict(zip(columns, values)) for values in zip(*columns.values())]
-
-
-def collate(rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool) -> dict[str, torch.Tensor]:
-    """Right-padded batch of (prompt + response) rows, truncated to `max_seq_len` from the response end.
-
-    labels[b, t] is the token that position t predicts when it is a response token, IGNORE elsewhere, so the loss
-    mask is `labels != IGNORE`. With `topk`, the cached teacher top-k of response token j (which predicted token
-    prompt_len + j) sits at position prompt_len + j - 1, aligned with labels.
-    """
-    ids = [row["input_ids"][:max_seq_len] for row in rows]
-    B, T = len(rows), max(len(x) for x in ids)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    labels = torch.full((B, T), IGNORE, dtype=torch.long)
-    if topk:
-        K = next((len(row["topk_ids"][0]) for row in rows if row["topk_ids"]), 1)
-        # Harmless filler where no response token is predicted: K distinct ids holding K/(K+1) of the mass.
-        topk_ids = torch.arange(K).expand(B, T, K).clone()  # (B, T, K)
-        topk_logprobs = torch.full((B, T, K), -math.log(K + 1))  # (B, T, K)
-    for b, (row, x) in enumerate(zip(rows, ids)):
-        n, P = len(x), row["prompt_len"]
-        input_ids[b, :n] = torch.tensor(x)
-        attention_mask[b, :n] = 1
-        first = max(P, 1)  # first response token that some position predicts
-        if first < n:
-            labels[b, first - 1 : n - 1] = input_ids[b, first:n]
-            if topk:
-                topk_ids[b, first - 1 : n - 1] = torch.tensor(row["topk_ids"][first - P : n - P])
-                topk_logprobs[b, first - 1 : n - 1] = torch.tensor(row["topk_logprobs"][first - P : n - P])
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-    if topk:
-        batch |= {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs}
-    return batch
-
-
-@torch.no_grad()
-def on_policy_rows(
-    model,
-    rows: list[dict],
-    *,
-    stop_ids: list[int],
-    pad_id: int,
-    data: DataConfig,
-    max_seq_len: int,
-    synced: bool = False,
-) -> list[dict]:
-    """The student's own answers to the rows' prompts, sampled like the teacher data (GKD, Agarwal et al. 2024;
-    DistillSpec, Zhou et al. 2024). Rows whose prompt leaves no room under `max_seq_len` stay as they are.
-
-    `synced`: the student's weights are sharded (FSDP, ZeRO-3), so every forward is a collective and a process
-    whose answers end early keeps stepping until all are done; all processes then take the same max_new_tokens."""
-    prompts = [row["input_ids"][: row["prompt_len"]] for row in rows]
-    P = max(len(p) for p in prompts)
-    max_new = min(data.max_new_tokens, max_seq_len - P)
-    device = next(model.parameters()).device
-    if synced:
-        budget = torch.tensor(max_new, device=device)
-        torch.distributed.all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
-        max_new = int(budget)
-    if max_new < 1:
-        return rows
-    input_ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P) left-padded
-    attention_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
-    sampling = (
-        dict(do_sample=True, temperature=data.temperature, top_k=data.top_k, top_p=data.top_p)
-        if data.temperature > 0
-        else dict(do_sample=False)
-    )
-    was_training = model.training
-    model.eval()
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=max_new,
-        eos_token_id=stop_ids,  # the tokenizer's EOS and the generation config's end-of-turn ids, as teacher data
-        pad_token_id=pad_id,
-        synced_gpus=synced,
-        **sampling,
-    )  # (B, P + new)
-    model.train(was_training)
-    answers = []
-    for prompt, new in zip(prompts, out[:, P:].tolist()):
-        end = next((i for i, t in enumerate(new) if t in stop_ids), None)
-        response = new if end is None else new[: end + 1]
-        answers.append({"input_ids": prompt + response, "prompt_len": len(prompt)})
-    return answers

@@ -2,7 +2,8 @@
 
     draft = build_eagle3_student(teacher, cfg.draft, teacher_data.train, cand_dir)   # vocabulary counted once
     loss = eagle3_loss(draft, embed_weight, teacher, batch, num_items, cfg.draft, cfg.distill, aux_index)
-    metrics = evaluate_eagle3(draft, teacher, embed_weight, eval_ds, accelerator, cfg.draft, cfg.distill, ...)
+    sums = eagle3_validation_sums(draft, embed_weight, teacher, batch, cfg.draft, cfg.distill, aux_index, ...)
+    metrics = eagle3_validation_metrics(all_sums, cfg.draft.ttt_depth, coverage)   # sums added over the data
 
 Alignment (EAGLE-3; SpecForge `OnlineEagle3Model`): draft row t reads the teacher's aux hidden states of token t and
 the embedding of token t+1 at position t, and learns the teacher's distribution at position t+1 (the one that
@@ -19,7 +20,6 @@ against the teacher's full distribution, per unrolled position, and the chain ta
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +28,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from distill.batches import IGNORE, collate
+from distill.config import DistillConfig
 from distill.data import AUX_HIDDEN as AUX_COLUMN
-from distill.data import COMPLETE, IGNORE, collate, fetch_rows, load_teacher_data
+from distill.data import COMPLETE, load_teacher_data
 from distill.objectives import (
     TeacherTargets,
     distill_loss,
@@ -142,7 +144,7 @@ def frozen_embedding(teacher, device) -> Tensor:
 
 
 def collate_eagle3(rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool) -> dict[str, Tensor]:
-    """`distill.data.collate`, plus the cached aux hidden states (B, T, n_aux * H) fp16 when the rows carry them."""
+    """`distill.batches.collate`, plus the cached aux hidden states (B, T, n_aux * H) fp16 when the rows carry them."""
     batch = collate(rows, max_seq_len=max_seq_len, pad_id=pad_id, topk=topk)
     if rows and AUX_COLUMN in rows[0]:
         B, T = batch["input_ids"].shape
@@ -237,7 +239,9 @@ def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int):
         yield j, logits
 
 
-def unrolled_steps(student, embed_weight: Tensor, batch: dict[str, Tensor], view, draft_cfg, dc, num_items):
+def unrolled_steps(
+    student, embed_weight: Tensor, batch: dict[str, Tensor], view, draft_cfg, distill_cfg: DistillConfig, num_items
+):
     """Yield (step j, draft logits (B, T, Vd), step j's objective summed over its valid rows / num_items, its
     terms) for j < draft.ttt_depth, from `teacher_view`'s output `view`. Step j's rows sit at positions t + j, read
     the embedding of token t + 1 + j and learn the teacher's distribution at position t + 1 + j."""
@@ -246,7 +250,7 @@ def unrolled_steps(student, embed_weight: Tensor, batch: dict[str, Tensor], view
     teacher_d, in_vocab = draft_targets(plain, logits, topk)  # (B, T, Vd), (B, T)
     labels = batch["labels"]
     valid = labels != IGNORE
-    labels_d, label_in = draft_labels(plain, labels) if "ce" in dc.objective else (labels.clamp(min=0), valid)
+    labels_d, label_in = draft_labels(plain, labels) if "ce" in distill_cfg.objective else (labels.clamp(min=0), valid)
     dtype = plain.fc.weight.dtype  # fp32 masters (autocast runs the matmuls in bf16), or DeepSpeed's bf16 copy
     embeds = nn.functional.embedding(batch["input_ids"], embed_weight).to(dtype)  # (B, T, H), frozen
     for j, draft_logits in ttt_logits(student, aux.to(dtype), embeds, draft_cfg.ttt_depth):
@@ -256,11 +260,11 @@ def unrolled_steps(student, embed_weight: Tensor, batch: dict[str, Tensor], view
             TeacherTargets(logits=shift(teacher_d, n, LOG_ZERO)),
             shift(labels_d, n, 0),
             shift(valid & in_vocab & label_in, n, False),
-            dc.objective,
-            kd_temperature=dc.kd_temperature,
-            beta=dc.beta,
+            distill_cfg.objective,
+            kd_temperature=distill_cfg.kd_temperature,
+            beta=distill_cfg.beta,
             num_items=num_items,
-            chunk_size=dc.chunk_size,
+            chunk_size=distill_cfg.chunk_size,
         )
         yield j, draft_logits, loss, terms
 
@@ -272,7 +276,7 @@ def eagle3_loss(
     batch: dict[str, Tensor],
     num_items: Tensor | int,
     draft_cfg,
-    dc,
+    distill_cfg: DistillConfig,
     aux_index: Tensor | None,
     *,
     aux_layers: list[int],
@@ -281,7 +285,7 @@ def eagle3_loss(
     its valid rows) / `num_items`, the step's global response-token count. `student` may be the prepared (DDP /
     FSDP / DeepSpeed) module: every step goes through its forward."""
     view = teacher_view(teacher, batch, aux_layers, aux_index)
-    steps = unrolled_steps(student, embed_weight, batch, view, draft_cfg, dc, num_items)
+    steps = unrolled_steps(student, embed_weight, batch, view, draft_cfg, distill_cfg, num_items)
     return sum(draft_cfg.ttt_decay**j * loss for j, _, loss, _ in steps)
 
 
@@ -298,7 +302,15 @@ def _unwrap(model):
 
 @torch.no_grad()
 def eagle3_validation_sums(
-    student, embed_weight: Tensor, teacher, batch, draft_cfg, dc, aux_index, *, aux_layers: list[int]
+    student,
+    embed_weight: Tensor,
+    teacher,
+    batch,
+    draft_cfg,
+    distill_cfg: DistillConfig,
+    aux_index,
+    *,
+    aux_layers: list[int],
 ) -> Tensor:
     """One batch's sums, fp32 (2 + 3 x depth,): [loss, response tokens] then per unrolled position j [expected
     acceptance sum_v min(p_v, q_v), greedy top-1 match, valid rows], with q the draft's distribution scattered to
@@ -308,7 +320,7 @@ def eagle3_validation_sums(
     _, logits, topk = view
     valid = batch["labels"] != IGNORE
     rows = [valid.new_zeros((), dtype=torch.float32), valid.sum().float()]
-    for j, draft_logits, loss, _ in unrolled_steps(student, embed_weight, batch, view, draft_cfg, dc, 1):
+    for j, draft_logits, loss, _ in unrolled_steps(student, embed_weight, batch, view, draft_cfg, distill_cfg, 1):
         n, mask = 1 + j, shift(valid, 1 + j, False)
         rows[0] = rows[0] + draft_cfg.ttt_decay**j * loss.float()
         accept = agree = torch.zeros((), device=mask.device)
@@ -317,7 +329,9 @@ def eagle3_validation_sums(
             m = mask[b : b + 1]
             if logits is not None:
                 p = shift(logits[b : b + 1], n, 0.0)
-                accept = accept + expected_acceptance_from_logits(q, p, m, num_items=1, chunk_size=dc.chunk_size)
+                accept = accept + expected_acceptance_from_logits(
+                    q, p, m, num_items=1, chunk_size=distill_cfg.chunk_size
+                )
                 agree = agree + greedy_match(q, p, m, num_items=1)
             else:
                 a, g = topk_agreement_sums(q, shift(topk[1][b : b + 1], n, 0.0), shift(topk[0][b : b + 1], n, 0), m)
@@ -336,36 +350,13 @@ def chain_tau(acceptance: list[float]) -> float:
     return tau
 
 
-@torch.no_grad()
-def evaluate_eagle3(
-    student, teacher, embed_weight: Tensor, eval_ds, accelerator, draft_cfg, dc, tc, pad_id: int, aux_index, *,
-    aux_layers: list[int], coverage: float,
-) -> dict[str, float]:  # fmt: skip
-    """Validation metrics over the held-out data, all-reduced over processes (rows split as in
-    `train.validation.evaluate`, short ranks padded with a response-less copy of row 0):
+def eagle3_validation_metrics(sums: list[float], depth: int, coverage: float) -> dict[str, float]:
+    """The validation metrics from `eagle3_validation_sums` added up over the validation data and processes:
 
     eval/loss, eval/expected_acceptance and eval/greedy_match (position 0, the numbers standalone drafts report),
     eval/expected_acceptance_{j} and eval/greedy_match_{j} per unrolled position j, eval/simulated_tau (the chain
-    tau of ttt_depth tokens sampled at temperature 1) and eval/simulated_tau_greedy (temperature 0), eval/tokens,
-    eval/draft_vocab_coverage (of the training responses)."""
-    rank, world = accelerator.process_index, accelerator.num_processes
-    mine = list(range(rank, len(eval_ds), world))
-    mine += [None] * (math.ceil(len(eval_ds) / world) - len(mine))
-    student.eval()
-    sums = None
-    for start in range(0, len(mine), tc.batch_size):
-        chunk = mine[start : start + tc.batch_size]
-        rows = fetch_rows(eval_ds, [i if i is not None else 0 for i in chunk])
-        rows = [row if i is not None else _no_response(row) for i, row in zip(chunk, rows)]
-        batch = collate_eagle3(rows, max_seq_len=tc.max_seq_len, pad_id=pad_id, topk=teacher is None)
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        row = eagle3_validation_sums(
-            student, embed_weight, teacher, batch, draft_cfg, dc, aux_index, aux_layers=aux_layers
-        )
-        sums = row if sums is None else sums + row
-    student.train()
-    sums = accelerator.reduce(sums, "sum").tolist()
-    depth = draft_cfg.ttt_depth
+    tau of `depth` tokens sampled at temperature 1) and eval/simulated_tau_greedy (temperature 0), eval/tokens,
+    eval/draft_vocab_coverage (`coverage`, of the training responses)."""
     per = [sums[2 + 3 * j : 5 + 3 * j] for j in range(depth)]  # [accept, agree, rows] per position
     accept = [a / max(n, 1.0) for a, _, n in per]
     agree = [g / max(n, 1.0) for _, g, n in per]
@@ -382,11 +373,6 @@ def evaluate_eagle3(
     return metrics | {f"eval/greedy_match_{j}": g for j, g in enumerate(agree)}
 
 
-def _no_response(row: dict) -> dict:
-    out = row | {"prompt_len": len(row["input_ids"]), "topk_ids": [], "topk_logprobs": []}
-    return out if AUX_COLUMN not in row else out | {AUX_COLUMN: row[AUX_COLUMN]}
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # What the distillation recipe calls
 
@@ -394,7 +380,8 @@ def _no_response(row: dict) -> dict:
 @dataclass
 class Eagle3Training:
     """The EAGLE-3 parts of one candidate's distillation: its student, the frozen embeddings, which aux states it
-    reads, and the loss and validation the recipe calls in place of the standalone ones (same signatures)."""
+    reads, and the loss and the validation pieces the recipe uses in place of the standalone ones (same signatures:
+    `validation_sums` and `validation_metrics` plug into train/'s validation loop, with `collate_eagle3`)."""
 
     student: Eagle3Draft
     """The head being trained (fp32, on the recipe's device)."""
@@ -415,14 +402,25 @@ class Eagle3Training:
         return [AUX_COLUMN] if self.aux_index is not None else []
 
     @classmethod
-    def setup(cls, teacher, draft_cfg, dc, teacher_data, cand: Path, *, device, is_main: bool, log=print):
-        if dc.lmbda > 0:
+    def setup(
+        cls,
+        teacher,
+        draft_cfg,
+        distill_cfg: DistillConfig,
+        teacher_data,
+        cand: Path,
+        *,
+        device,
+        is_main: bool,
+        log=print,
+    ):
+        if distill_cfg.lmbda > 0:
             raise ValueError("distill.lmbda > 0 (on-policy data) is not supported for draft.init=eagle3; set it to 0")
         student = build_eagle3_student(teacher, draft_cfg, teacher_data.train, cand, is_main=is_main, log=log)
         L, H = teacher.config.num_hidden_layers, teacher.config.hidden_size
         aux = student.aux_layers(L)
         index = None
-        if dc.teacher == "cache":
+        if distill_cfg.teacher == "cache":
             stored = cached_layers_of(teacher_data.train)
             if stored is None:
                 raise ValueError(
@@ -434,17 +432,20 @@ class Eagle3Training:
         embed = frozen_embedding(teacher, device)
         return cls(student.to(device), embed, draft_cfg, aux, index, student.vocab_coverage)
 
-    def loss(self, student, teacher, batch: dict[str, Tensor], num_items, dc) -> Tensor:
+    def loss(self, student, teacher, batch: dict[str, Tensor], num_items, distill_cfg: DistillConfig) -> Tensor:
         return eagle3_loss(
-            student, self.embed_weight, teacher, batch, num_items, self.draft, dc, self.aux_index,
+            student, self.embed_weight, teacher, batch, num_items, self.draft, distill_cfg, self.aux_index,
             aux_layers=self.aux_layers,
         )  # fmt: skip
 
-    def evaluate(self, student, teacher, eval_ds, accelerator, dc, tc, pad_id: int) -> dict[str, float]:
-        return evaluate_eagle3(
-            student, teacher, self.embed_weight, eval_ds, accelerator, self.draft, dc, tc, pad_id, self.aux_index,
-            aux_layers=self.aux_layers, coverage=self.coverage,
+    def validation_sums(self, student, teacher, batch: dict[str, Tensor], distill_cfg: DistillConfig) -> Tensor:
+        return eagle3_validation_sums(
+            student, self.embed_weight, teacher, batch, self.draft, distill_cfg, self.aux_index,
+            aux_layers=self.aux_layers,
         )  # fmt: skip
+
+    def validation_metrics(self, sums: list[float], distill_cfg: DistillConfig) -> dict[str, float]:
+        return eagle3_validation_metrics(sums, self.draft.ttt_depth, self.coverage)
 
 
 # ----------------------------------------------------------------------------------------------------------------

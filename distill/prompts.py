@@ -10,20 +10,21 @@ with the teacher's chat template (`render_chat`) and answers. Accepted sources:
     load_prompts("owner/name", split="test")   # HF hub dataset (needs network or a warm datasets cache)
 
 `data.prompts` is one source or a list of them, concatenated in order (`load_sources`, `concat_sources`), where
-`self_instruct` stands for the prompts the teacher writes at data time (distill/data.py):
+`self_instruct` stands for the prompts the teacher writes at data time (distill/self_instruct.py, distill/data.py):
 
     concat_sources(load_sources(["builtin:train", "builtin:long-input"]))   # ids must be unique across sources
 
 Record fields: `prompt`, `messages` ({role, content} list), or `turns` (Spec-Bench / MT-bench user turns), with
 `instruction` (+ `input`) and `question` as aliases of `prompt`; `question_id` / `id` and `category` are kept.
 
-The shipped set has three fixed, disjoint splits, one per prompt role (DESIGN.md "Metric definitions"):
-`builtin:train` (distillation), `builtin:validation` (checkpoint selection, `best/`) and `builtin:test` (the eval
-sweep and the promotion's confirmation). The train split is the one every earlier version shipped (90 % of
-specdistill_prompts.jsonl by category); its held-out 10 % is halved by category into validation and test, and the
-test split adds the prompts of specdistill_test_prompts.jsonl, written for it, so that every category has six test
-prompts. The held-out splits come ordered round-robin over categories, two prompts at a time
-(`interleave_categories`), so the first N prompts span the categories.
+The shipped set (distill/prompt_files/) has three fixed, disjoint splits, one per prompt role (DESIGN.md "Metric
+definitions"; distill/prompt_roles.py keeps a run's roles apart): `builtin:train` (distillation), `builtin:validation`
+(checkpoint selection, `best/`) and `builtin:test` (the eval sweep and the promotion's confirmation). The train split
+is the one every earlier version shipped (90 % of specdistill_prompts.jsonl by category); the other 10 % is halved by
+category into validation and test (`stratified_split`), and the test split adds the prompts of
+specdistill_test_prompts.jsonl, written for it, so that every category has six test prompts. The validation and test
+splits come ordered round-robin over categories, two prompts at a time (`interleave_categories`), so the first N
+prompts span the categories.
 
 `builtin:long-input` (specdistill_long_input_prompts.jsonl, 60 prompts) holds tasks with a few hundred tokens of
 given context, all under 384 tokens after SmolLM2's chat template (data.max_prompt_tokens): summaries of a given
@@ -32,10 +33,9 @@ It is disjoint from every other shipped prompt and is no split of `builtin`, who
 """
 
 import csv
+import difflib
 import hashlib
 import json
-import random
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -54,9 +54,10 @@ ROLES = ("system", "user", "assistant")
 BUILTIN_SPLITS = ("train", "validation", "test")
 BUILTIN_TRAINING_SETS = {"long-input": "specdistill_long_input_prompts.jsonl"}  # training-only, outside "builtin"
 SELF_INSTRUCT = "self_instruct"  # the data.prompts source the teacher writes at data time
-BUILTIN_HELD_OUT_FRACTION = 0.1  # of specdistill_prompts.jsonl; the rest is builtin:train, as in every version
+BUILTIN_FILES = "prompt_files"  # the shipped prompt files: a data folder of the distill package
+BUILTIN_VALIDATION_TEST_FRACTION = 0.1  # of specdistill_prompts.jsonl; the rest is builtin:train, as in every version
 BUILTIN_SEED = 0
-BUILTIN_TEST_SEED = 1  # halves the held-out part into validation and test
+BUILTIN_TEST_SEED = 1  # halves the validation + test part into validation and test
 
 
 @dataclass
@@ -171,24 +172,21 @@ def _load_builtin(name: str | None, split: str | None) -> list[PromptRecord]:
     if name and split and name != split:
         raise ValueError(f"'builtin:{name}' conflicts with split={split!r}")
     which = name or split
-    if which == "eval":  # it held both of today's validation and test prompts: no single meaning to map it to
-        raise ValueError(
-            "builtin:eval was split into builtin:validation (checkpoint selection: data.validation_prompts) and "
-            "builtin:test (eval sweep and bench: eval.prompts); use one of them"
-        )
     if which in BUILTIN_TRAINING_SETS:
         return _read_builtin_file(BUILTIN_TRAINING_SETS[which])
     if which not in (None, *BUILTIN_SPLITS):
+        valid = [*BUILTIN_SPLITS, *BUILTIN_TRAINING_SETS]
+        close = difflib.get_close_matches(which, valid, n=1)
+        hint = f" Did you mean 'builtin:{close[0]}'?" if close else ""
         raise ValueError(
-            f"unknown builtin split {which!r}; use 'builtin', builtin:{{{','.join(BUILTIN_SPLITS)}}} or "
-            + " or ".join(f"builtin:{name}" for name in BUILTIN_TRAINING_SETS)
+            f"unknown builtin split {which!r}.{hint} Valid: 'builtin', " + ", ".join(f"builtin:{v}" for v in valid)
         )
     records = _read_builtin_file("specdistill_prompts.jsonl")
     extra_test = _read_builtin_file("specdistill_test_prompts.jsonl")
     if which is None:
         return records + extra_test
-    train, held_out = split_prompts(records, BUILTIN_HELD_OUT_FRACTION, BUILTIN_SEED)
-    validation, test = split_prompts(held_out, 0.5, BUILTIN_TEST_SEED)
+    train, validation_and_test = stratified_split(records, BUILTIN_VALIDATION_TEST_FRACTION, BUILTIN_SEED)
+    validation, test = stratified_split(validation_and_test, 0.5, BUILTIN_TEST_SEED)
     splits = {
         "train": train,
         # Pairs of a category, round-robin: the first N span the categories, and the eval sweep's alternate halves
@@ -200,7 +198,7 @@ def _load_builtin(name: str | None, split: str | None) -> list[PromptRecord]:
 
 
 def _read_builtin_file(name: str) -> list[PromptRecord]:
-    text = resources.files("distill").joinpath(f"prompts/{name}").read_text(encoding="utf-8")
+    text = resources.files("distill").joinpath(f"{BUILTIN_FILES}/{name}").read_text(encoding="utf-8")
     return records_from_rows(_parse_jsonl(text, f"builtin ({name})"), f"builtin ({name})")
 
 
@@ -303,7 +301,7 @@ def _pick_split(ds: Any, split: str | None, name: str) -> Any:
     if split is None and len(ds) == 1:
         return next(iter(ds.values()))
     if split is None or split not in ds:
-        # Never guess between several splits: picking 'train' silently could train on an eval split.
+        # Never guess between several splits: picking 'train' silently could train on a validation or test split.
         raise ValueError(f"{name} has splits {list(ds)}; pass split=<one of them>")
     return ds[split]
 
@@ -397,230 +395,45 @@ def _content_id(messages: list[dict]) -> str:
     return f"p-{digest[:12]}"
 
 
-def prompt_key(record: PromptRecord) -> tuple:
-    """What makes two prompts the same one: their messages, case and whitespace aside (ids differ across sources)."""
-    return tuple((m["role"], " ".join(str(m["content"]).split()).lower()) for m in record.messages)
-
-
-def without_prompts(records: Sequence[PromptRecord], others: Sequence[PromptRecord]) -> list[PromptRecord]:
-    """`records` minus those whose messages also appear in `others` (order kept): keeps train and validation
-    disjoint."""
-    keys = {prompt_key(r) for r in others}
-    return [r for r in records if prompt_key(r) not in keys]
-
-
-def overlap_count(records: Sequence[PromptRecord], others: Sequence[PromptRecord]) -> int:
-    """How many of `records` also appear in `others`, compared by `prompt_key` (as `without_prompts` does)."""
-    return len(records) - len(without_prompts(records, others))
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# train / eval split
+# the builtin set's splits
 
 
-def split_prompts(
-    records: Sequence[PromptRecord], eval_fraction: float = 0.1, seed: int = 0
+def stratified_split(
+    records: Sequence[PromptRecord], fraction: float, seed: int = 0
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """Split into (train, eval), stratified by category; deterministic from each id's hash with `seed`.
+    """Split `fraction` of the records off: (rest, split off), stratified by category; deterministic from each id's
+    hash with `seed`.
 
-    Inside each category, records are ranked by hash(seed, id) and the first round(f * n) go to eval. Categories
+    Inside each category, records are ranked by hash(seed, id) and the first round(f * n) are split off. Categories
     are independent, so adding prompts to one never moves another's, and ranks never reshuffle: at most the
-    boundary records of a category that grew change side. Categories too small for one eval record are pooled and
-    split the same way. Input order is kept inside each split.
+    boundary records of a category that grew change side. Categories too small for one split-off record are pooled
+    and split the same way. Input order is kept inside each part.
     """
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"fraction must be in [0, 1), got {fraction}")
     by_category: dict[str, list[int]] = {}
     for i, r in enumerate(records):
         by_category.setdefault(r.category, []).append(i)
-    groups = [idx for idx in by_category.values() if _eval_count(len(idx), eval_fraction) > 0]
-    pooled = [i for idx in by_category.values() if _eval_count(len(idx), eval_fraction) == 0 for i in idx]
-    eval_idx = set()
+    groups = [idx for idx in by_category.values() if _split_off_count(len(idx), fraction) > 0]
+    pooled = [i for idx in by_category.values() if _split_off_count(len(idx), fraction) == 0 for i in idx]
+    split_off = set()
     for idx in [*groups, pooled]:
         ranked = sorted(idx, key=lambda i: _hash_rank(records[i].id, seed))
-        eval_idx.update(ranked[: _eval_count(len(idx), eval_fraction)])
-    if not eval_idx and eval_fraction > 0 and len(records) > 1:  # keep an eval split, however small the set
-        eval_idx.add(min(range(len(records)), key=lambda i: _hash_rank(records[i].id, seed)))
-    train = [r for i, r in enumerate(records) if i not in eval_idx]
-    eval_ = [r for i, r in enumerate(records) if i in eval_idx]
-    return train, eval_
+        split_off.update(ranked[: _split_off_count(len(idx), fraction)])
+    if not split_off and fraction > 0 and len(records) > 1:  # split one record off, however small the set
+        split_off.add(min(range(len(records)), key=lambda i: _hash_rank(records[i].id, seed)))
+    rest = [r for i, r in enumerate(records) if i not in split_off]
+    return rest, [r for i, r in enumerate(records) if i in split_off]
 
 
-def _eval_count(n: int, eval_fraction: float) -> int:
+def _split_off_count(n: int, fraction: float) -> int:
     # Round half up (Python's round() rounds half to even), never the whole group.
-    return min(int(eval_fraction * n + 0.5), max(n - 1, 0))
+    return min(int(fraction * n + 0.5), max(n - 1, 0))
 
 
 def _hash_rank(record_id: str, seed: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}\x00{record_id}".encode()).digest()[:8], "big")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# self-instruct: the teacher writes the prompts
-
-SELF_INSTRUCT_TOPICS = (
-    ("writing", "writing a short poem"),
-    ("writing", "writing a polite email"),
-    ("writing", "writing a short story"),
-    ("writing", "writing a product description"),
-    ("writing", "editing a paragraph to make it clearer"),
-    ("coding", "Python functions"),
-    ("coding", "Python lists and dictionaries"),
-    ("coding", "SQL queries"),
-    ("coding", "JavaScript in web pages"),
-    ("coding", "fixing a bug in a short program"),
-    ("coding", "using git"),
-    ("math", "percentages and discounts"),
-    ("math", "fractions and decimals"),
-    ("math", "simple algebra equations"),
-    ("math", "areas and perimeters of shapes"),
-    ("math", "probability with dice or coins"),
-    ("reasoning", "logic puzzles"),
-    ("reasoning", "planning a schedule"),
-    ("reasoning", "comparing two options and choosing one"),
-    ("qa", "the solar system"),
-    ("qa", "the human body"),
-    ("qa", "world geography"),
-    ("qa", "world history"),
-    ("qa", "animals and their habitats"),
-    ("qa", "weather and climate"),
-    ("qa", "how everyday technology works"),
-    ("qa", "personal finance and budgeting"),
-    ("qa", "healthy eating"),
-    ("qa", "physical exercise"),
-    ("qa", "learning a new language"),
-    ("summarization", "summarizing a short news story that you include in the request"),
-    ("summarization", "summarizing a short paragraph about science that you include in the request"),
-    ("translation", "translating a short sentence between English and French or Spanish"),
-    ("extraction", "pulling dates, names or numbers out of a short text that you include in the request"),
-    ("roleplay", "pretending to be a tour guide, a chef or a teacher"),
-    ("roleplay", "acting as a customer support agent"),
-    ("general", "cooking and recipes"),
-    ("general", "travel planning"),
-    ("general", "gardening"),
-    ("general", "study tips for students"),
-    ("general", "job interviews"),
-    ("general", "home repairs"),
-)
-_ANGLES = (
-    "",
-    " for a beginner",
-    " in everyday life",
-    " that needs a short answer",
-    " that asks for an example",
-    " for someone at work",
-)
-_PREAMBLE = re.compile(r"^(sure|certainly|okay|ok|of course|here('s| is| are))\b.*:\s*$", re.IGNORECASE)
-# Leading labels and one-line preambles: "1. **Question:** ...", "Sure! Here's one: ...".
-_PREFIXES = (
-    re.compile(r"^(\d+[.)]|[-*•])\s+"),
-    re.compile(
-        r"^\**\s*(new\s+)?(question|task|prompt|user|q|request|instruction)\s*\d*\s*\**\s*(:|[-–](?=\s))\s*\**\s*",
-        re.IGNORECASE,
-    ),
-    re.compile(r"^(sure|certainly|of course|okay|here('s| is| are))\b[^:]{0,60}:\s+", re.IGNORECASE),
-)
-_STOP = re.compile(r"^\s*\**\s*(answer|a|assistant|response)\s*\**\s*:", re.IGNORECASE)
-_QUOTES = ('""', "''", "“”", "‘’", "``", "**")
-
-
-def self_instruct_prompts(
-    generate_fn: Callable[[list[list[dict]]], list[str]],
-    n: int,
-    seed: int = 0,
-    *,
-    batch_size: int = 16,
-    max_attempts: int | None = None,
-    topics: Sequence[tuple[str, str]] = SELF_INSTRUCT_TOPICS,
-    min_chars: int = 12,
-    max_chars: int = 400,
-) -> list[PromptRecord]:
-    """Have the teacher write `n` unique user prompts, for users who bring none.
-
-    `generate_fn` takes a batch of chat message lists and returns one reply each (the caller samples the teacher
-    with temperature > 0; this module has no model code). Topics are (category, topic) pairs; each request asks
-    for one question about a random topic and angle. Replies are cleaned, then deduplicated exactly
-    (case / whitespace) and approximately (token-set Jaccard >= 0.8). Stops after `max_attempts` requests
-    (default 4 n) and returns what it has with a warning.
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    rng = random.Random(seed)
-    max_attempts = 4 * n if max_attempts is None else max_attempts
-    kept: list[PromptRecord] = []
-    seen_norm: set[str] = set()
-    seen_tokens: list[set[str]] = []
-    attempts = 0
-    while len(kept) < n and attempts < max_attempts:
-        picks = [(rng.choice(topics), rng.choice(_ANGLES)) for _ in range(min(batch_size, max_attempts - attempts))]
-        requests = [[{"role": "user", "content": _self_instruct_request(topic, angle)}] for (_, topic), angle in picks]
-        replies = generate_fn(requests)
-        if len(replies) != len(requests):
-            raise ValueError(f"generate_fn returned {len(replies)} replies for {len(requests)} requests")
-        attempts += len(requests)
-        for ((category, _), _), reply in zip(picks, replies):
-            text = clean_generated_prompt(reply, min_chars, max_chars)
-            if text is None or _is_duplicate(text, seen_norm, seen_tokens):
-                continue
-            kept.append(
-                PromptRecord(
-                    id=f"self_instruct-{len(kept):05d}", messages=[{"role": "user", "content": text}], category=category
-                )
-            )
-            if len(kept) == n:
-                break
-    if len(kept) < n:
-        warnings.warn(
-            f"self_instruct_prompts: {len(kept)} unique prompts of {n} requested after {attempts} "
-            "teacher requests; returning those",
-            stacklevel=2,
-        )
-    return kept
-
-
-def _self_instruct_request(topic: str, angle: str) -> str:
-    return (
-        f"Write one new, specific question or task a user might ask an AI assistant about {topic}{angle}. "
-        "Reply with the question only."
-    )
-
-
-def clean_generated_prompt(text: str, min_chars: int = 12, max_chars: int = 400) -> str | None:
-    """The question inside a teacher reply: drop preambles, 'Question:' labels, quotes and any self-answer.
-
-    Returns None when nothing of `min_chars`..`max_chars` characters is left.
-    """
-    lines = [ln.strip() for ln in text.strip().splitlines()]
-    while lines and (not lines[0] or _PREAMBLE.match(lines[0])):
-        lines.pop(0)
-    body = []
-    for ln in lines:  # first paragraph only: the model often answers its own question after a blank line
-        if not ln or _STOP.match(ln):
-            break
-        body.append(ln)
-    out = " ".join(body)
-    while (stripped := _strip_prefix(out)) != out:
-        out = stripped
-    while len(out) >= 2 and out[0] + out[-1] in _QUOTES:
-        out = out[1:-1].strip()
-    return out if min_chars <= len(out) <= max_chars else None
-
-
-def _strip_prefix(text: str) -> str:
-    for pattern in _PREFIXES:
-        text = pattern.sub("", text, count=1).strip()
-    return text
-
-
-def _is_duplicate(text: str, seen_norm: set[str], seen_tokens: list[set[str]]) -> bool:
-    norm = " ".join(text.lower().split()).rstrip(" ?.!")
-    tokens = set(re.findall(r"[a-z0-9']+", norm))
-    # O(n) scan per prompt; self-instruct sets are hundreds to a few thousand prompts.
-    if norm in seen_norm or any(len(tokens & t) >= 0.8 * len(tokens | t) for t in seen_tokens):
-        return True
-    seen_norm.add(norm)
-    seen_tokens.append(tokens)
-    return False
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """Student (draft) construction from an already-loaded teacher (a Llama-family HF causal LM).
 
     student = build_student(teacher, DraftConfig(init="truncate", num_layers=4))
-    student = build_student(teacher, DraftConfig(init="pretrained", pretrained="HuggingFaceTB/SmolLM2-135M",
-                                                 lora=True), load_model=load_model, teacher_tokenizer=tokenizer)
+    pretrained = DraftConfig(init="pretrained", pretrained="HuggingFaceTB/SmolLM2-135M", lora=True)
+    student = build_student(teacher, pretrained, teacher_tokenizer=tokenizer, load_options={"dtype": "float32"})
     print(describe_student(student, teacher))
     export_me = merge_student(student)  # LoRA merged into plain weights; other students come back as they are
 
 Every student is a new model that shares no tensor with the teacher, on the teacher's device and in its dtype (a
-pretrained one in the dtype its `load_model` gives it).
+pretrained one in the dtype `specdec_runtime.loading.load_model` gives it under `load_options`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,6 +23,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec_runtime.loading import check_vocab_compatible, load_model
 
 # Config attributes holding one entry per decoder layer; truncation keeps the kept layers' entries.
 PER_LAYER_CONFIG_LISTS = ("layer_types", "mlp_layer_types", "no_rope_layers")
@@ -218,44 +220,20 @@ def _copy_if_same_shape(source: torch.Tensor, dest: torch.Tensor) -> None:
 # pretrained
 
 
-def check_same_vocab(teacher_tokenizer: PreTrainedTokenizerBase, student_tokenizer: PreTrainedTokenizerBase) -> None:
-    """Raise ValueError naming the first token ids whose tokens differ between the two vocabularies."""
-    teacher_vocab, student_vocab = teacher_tokenizer.get_vocab(), student_tokenizer.get_vocab()
-    if teacher_vocab == student_vocab:
-        return
-    teacher_by_id = {i: tok for tok, i in teacher_vocab.items()}
-    student_by_id = {i: tok for tok, i in student_vocab.items()}
-    ids = sorted(set(teacher_by_id) | set(student_by_id))
-    differ = [i for i in ids if teacher_by_id.get(i) != student_by_id.get(i)]
-    first = "; ".join(f"id {i}: teacher {teacher_by_id.get(i)!r}, student {student_by_id.get(i)!r}" for i in differ[:5])
-    raise ValueError(
-        f"the student's vocabulary differs from the teacher's ({len(student_vocab)} vs {len(teacher_vocab)} tokens, "
-        f"{len(differ)} ids differ); first differing tokens: {first}"
-    )
-
-
 def pretrained_student(
     teacher: PreTrainedModel,
     spec: str,
-    load_model: Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]],
-    *,
-    check_vocab: Callable[[PreTrainedTokenizerBase], None] | None = None,
-    teacher_tokenizer: PreTrainedTokenizerBase | None = None,
+    teacher_tokenizer: PreTrainedTokenizerBase,
+    load_options: Mapping[str, object] | None = None,
 ) -> PreTrainedModel:
-    """Load `spec` with `load_model` and refuse it unless its vocabulary is the teacher's.
+    """Load `spec` on the teacher's device (`load_model(spec, **load_options)`: dtype, trust_remote_code,
+    allow_pickle) and refuse it unless its vocabulary is the teacher's (`check_vocab_compatible`, the whole vocabulary).
 
-    `check_vocab(student_tokenizer)` raises on a mismatch (e.g. the runtime's checker bound to the teacher's
-    tokenizer); without it the vocabularies are compared with `check_same_vocab(teacher_tokenizer, ...)`. When only
-    the padded embedding sizes differ (e.g. Qwen2.5 0.5B vs 7B), the student's embeddings are resized to the
-    teacher's so the logits line up; the extra rows are never-used ids.
+    When only the padded embedding sizes differ (e.g. Qwen2.5 0.5B vs 7B), the student's embeddings are resized to
+    the teacher's so the logits line up; the extra rows are never-used ids.
     """
-    if check_vocab is None and teacher_tokenizer is None:
-        raise ValueError("a pretrained student needs check_vocab or teacher_tokenizer to check its vocabulary")
-    student, tokenizer = load_model(spec)
-    if check_vocab is not None:
-        check_vocab(tokenizer)
-    else:
-        check_same_vocab(teacher_tokenizer, tokenizer)
+    student, tokenizer = load_model(spec, **{**(load_options or {}), "device": str(teacher.device)})
+    check_vocab_compatible(teacher_tokenizer, tokenizer)
     teacher_rows, student_rows = teacher.config.vocab_size, student.config.vocab_size
     if teacher_rows != student_rows:
         if min(teacher_rows, student_rows) < len(tokenizer):
@@ -388,16 +366,14 @@ def build_student(
     teacher: PreTrainedModel,
     cfg: DraftConfig,
     *,
-    load_model: Callable[[str], tuple[PreTrainedModel, PreTrainedTokenizerBase]] | None = None,
-    check_vocab: Callable[[PreTrainedTokenizerBase], None] | None = None,
     teacher_tokenizer: PreTrainedTokenizerBase | None = None,
+    load_options: Mapping[str, object] | None = None,
 ) -> PreTrainedModel | PeftModel:
     """The student described by `cfg`, built from the loaded `teacher` (left untouched).
 
-    `load_model(spec) -> (model, tokenizer)` loads a pretrained student (e.g. `specdec_runtime.loading.load_model`
-    with its options bound); its vocabulary is checked by `check_vocab(student_tokenizer)` or against
-    `teacher_tokenizer`, see `pretrained_student`. With `cfg.lora` the result is a peft model: use
-    `merge_student` to export it.
+    A pretrained student (init=pretrained) is loaded with `load_options` and its vocabulary checked against
+    `teacher_tokenizer`, see `pretrained_student`. With `cfg.lora` the result is a peft model: use `merge_student`
+    to export it.
     """
     match cfg.init:
         case "truncate":
@@ -413,11 +389,9 @@ def build_student(
                 cfg.intermediate_size,
             )
         case "pretrained":
-            if load_model is None:
-                raise ValueError("init=pretrained needs a load_model callable")
-            student = pretrained_student(
-                teacher, cfg.pretrained, load_model, check_vocab=check_vocab, teacher_tokenizer=teacher_tokenizer
-            )
+            if teacher_tokenizer is None:
+                raise ValueError("init=pretrained needs the teacher's tokenizer to check the student's vocabulary")
+            student = pretrained_student(teacher, cfg.pretrained, teacher_tokenizer, load_options)
     _check_no_shared_tensors(student, teacher)
     if cfg.lora:
         student = add_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,14 +35,6 @@ class EvalConfig:
     """Untimed warm-up calls per arm before each setting, on the batch holding the longest prompt."""
 
     def __post_init__(self) -> None:
-        if self.prompts == "builtin:eval":  # the old default, since split into validation and test
-            print(
-                "specdistill: warning: eval.prompts: builtin:eval is deprecated (split into builtin:validation and "
-                "builtin:test); using builtin:test",
-                file=sys.stderr,
-                flush=True,
-            )
-            self.prompts = "builtin:test"
         if self.max_prompts < 0:
             raise ValueError(f"max_prompts must be >= 0 (0 = all), got {self.max_prompts}")
         if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:

@@ -142,19 +142,8 @@ def _path_or_spec(value: str | Path) -> str:
     return str(path.resolve()) if path.exists() else str(value)
 
 
-MEASURED_KEYS = (
-    "acceptance_rate",
-    "mean_accepted_length",
-    "speedup",
-    "speedup_ci",
-    "split",
-    "batch_size",
-    "prompts",
-    "max_concurrency",
-    "measured_concurrency",
-)
-RENAMED = {"max_concurrency": "max_concurrency_measured"}
-"""The recommendation's keys as serving.yaml names them (a measured value must not read like an engine cap)."""
+MEASURED_KEYS = ("acceptance_rate", "mean_accepted_length", "speedup", "speedup_ci", "split", "batch_size", "prompts")
+"""The confirmation's numbers serving.yaml's `measured` copies under their report names."""
 
 
 def concurrency_cap(rec: dict) -> int | None:
@@ -174,8 +163,14 @@ def build_serving(old: dict, report: dict, report_path: Path, draft: str | None,
     """The new serving config: `old` with target, speculative and engines replaced and one history entry added.
     `measured` holds the confirmation split's numbers (the ones the decision was made on), with their interval."""
     rec = report["recommendation"]
-    # a deep copy: no list shared with rec
-    measured = copy.deepcopy({RENAMED.get(k, k): rec["confirmation"].get(k) for k in MEASURED_KEYS})
+    conf = rec["confirmation"]
+    # The report's max_concurrency is serving.yaml's max_concurrency_measured: next to concurrency_limit, the cap,
+    # a measured value must not read like one (docs/metrics.md).
+    measured = {k: conf.get(k) for k in MEASURED_KEYS} | {
+        "max_concurrency_measured": conf.get("max_concurrency"),
+        "measured_concurrency": conf.get("measured_concurrency"),
+    }
+    measured = copy.deepcopy(measured)  # no list shared with rec
     measured["eval_report"] = str(Path(report_path).resolve())
     if rec["enabled"]:
         speculative = {
@@ -275,7 +270,7 @@ def promote(
     unified diff of old vs new (nothing written).
 
     Refuses (ValueError) a report for another target (`expected_target` spec, or `expected_fingerprint` =
-    `eval.sweep.target_fingerprint(target, tokenizer)`), a draft whose vocabulary differs from the target's (when
+    `eval.results.target_fingerprint(target, tokenizer)`), a draft whose vocabulary differs from the target's (when
     both tokenizers are given), and an existing serving file that is not a YAML mapping (unless `force`).
     With `export_dir`, the draft is exported there (`eval.export.export_draft`) and the config points to it.
     """

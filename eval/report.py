@@ -1,4 +1,4 @@
-"""Render an eval report (the `report.json` of eval/sweep.py) as report.md and a self-contained report.html.
+"""Render an eval report (the `report.json` eval/results.py assembles) as report.md and a self-contained report.html.
 
     paths = write_reports(json.loads(Path("runs/quickstart/eval/report.json").read_text()),
                           Path("runs/quickstart/eval"), tracker=tracker)
@@ -98,15 +98,6 @@ figure { margin: 1rem 0; } img { max-width: 100%; border: 1px solid #d0d7de; }
 figcaption { font-size: .85rem; color: #59636e; }
 .meta { color: #59636e; font-size: .9rem; }
 """
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Shared file helper
-
-
-def write_json_atomic(obj, path: Path) -> Path:
-    """Write `obj` as JSON through `specdec_runtime.atomic`: readers see the old file or the new one, never half."""
-    return atomic.write_text(Path(path), json.dumps(obj, indent=2))
 
 
 # ----------------------------------------------------------------------------------------------------------------

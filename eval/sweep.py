@@ -14,21 +14,17 @@ half, the recommendation picks one setting from those numbers, and that setting 
 confirmation half (the choice never saw it) at every concurrency of `eval.batch_sizes`; eval/recommend.py decides
 from the confirmation numbers. Every measurement is a paired, repeated A/B (`specdec_runtime.ab`): target-only and
 speculative decoding alternate per unit (one batch of prompts) in ABBA order, `eval.repeats` times, after untimed
-warm-up calls on the unit holding the longest prompt. Decoding runs through `specdec_runtime.bench.fast_model`, the
-backend `bench` times (compact model + static cache + CUDA graphs on CUDA, its fast CPU path on the CPU unless
+warm-up calls on the unit holding the longest prompt. Decoding runs through `specdec_runtime.backends.fast_model`,
+the backend `bench` times (compact model + static cache + CUDA graphs on CUDA, its fast CPU path on the CPU unless
 `target.cpu_fast_path: false`); the report names it (`settings.backend`).
 
 Prompts are split over processes (rank r takes every world-th prompt of each half); per-unit runs are gathered on
-every rank (the confirmation needs the choice), and rank 0 writes the report.
+every rank (the confirmation needs the choice); eval/results.py assembles the report, and rank 0 writes it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import statistics
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -36,8 +32,9 @@ from tqdm.auto import tqdm
 
 from eval.config import EvalConfig, ServingConfig
 from eval.recommend import choose
-from specdec_runtime.ab import ArmPeaks, capture_graphs, paired_metrics, paired_runs, pooled
-from specdec_runtime.bench import backend_name, fast_model, full_units, longest_unit
+from eval.results import build_report, confirmation_block, target_fingerprint
+from specdec_runtime.ab import ArmPeaks, capture_graphs, paired_runs
+from specdec_runtime.backends import BackendOptions, backend_name, fast_model, full_units, longest_unit
 from specdec_runtime.eagle3 import Eagle3Draft, first_step_logits, is_eagle3_folder
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.loading import (
@@ -48,10 +45,8 @@ from specdec_runtime.loading import (
     resolve_dtype,
     stop_token_ids,
 )
-from specdec_runtime.metrics import GenerationStats, expected_acceptance, merge_stats
+from specdec_runtime.metrics import GenerationStats, expected_acceptance
 from specdec_runtime.tree import parse_tree, tree_size
-
-LENGTH_BUCKETS = ("short", "medium", "long")
 
 
 @dataclass
@@ -147,19 +142,7 @@ def load_draft(cand: Candidate, device: str, dtype: str):
 # Measurement helpers
 
 
-def target_fingerprint(model, tokenizer) -> str:
-    """Identifies the target a report was made for: its vocabulary and its architecture config."""
-    digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    arch = {
-        k: v
-        for k, v in model.config.to_dict().items()
-        if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
-    }
-    digest.update(json.dumps(arch, sort_keys=True, default=str).encode())
-    return digest.hexdigest()[:16]
-
-
-def split_prompts(prompts: list) -> tuple[list, list]:
+def selection_confirmation_split(prompts: list) -> tuple[list, list]:
     """(selection, confirmation): alternate prompts, so each half spans the categories of a file sorted by them."""
     return prompts[0::2], prompts[1::2]
 
@@ -268,7 +251,7 @@ def _check_split_sizes(selection: list, confirmation: list, cfg: EvalConfig, wor
 # The sweep
 
 
-def evaluate(
+def run_sweep(
     target,
     tokenizer,
     candidates: list[Candidate],
@@ -284,12 +267,11 @@ def evaluate(
     world_size: int = 1,
     gather=None,
     progress: bool = True,
-    cpu_fast_path: bool = True,
-    cpu_compile: bool = False,
+    backend: BackendOptions = BackendOptions(),
 ) -> dict:
     """Run the sweep on the selection half and, with `serving`, measure the setting `eval.recommend.choose` picks for
     it on the confirmation half at every batch size (`report["confirmation"]`); returns the report dict (keys of
-    DESIGN.md; eval/report.py renders it, `eval.recommend.recommend` decides from it).
+    DESIGN.md; eval/results.py assembles it, eval/report.py renders it, `eval.recommend.recommend` decides from it).
 
     `gather(obj) -> list[obj]` collects per-rank results on every rank (accelerate's gather_object); with one
     process it is not needed.
@@ -298,7 +280,7 @@ def evaluate(
         raise ValueError("the eval prompt set needs at least 2 prompts (a selection and a confirmation half)")
     if not candidates:
         raise ValueError("no candidate drafts to evaluate; pass draft folders or a run with finished candidates")
-    selection, confirmation = split_prompts(prompts)
+    selection, confirmation = selection_confirmation_split(prompts)
     _check_split_sizes(selection, confirmation, cfg, world_size)
     # At temperature 0 both draft rules propose argmax q, so `sample` would repeat `greedy` exactly.
     groups = [(t, r) for t in cfg.temperatures for r in cfg.draft_rules if not (t == 0 and r == "sample")]
@@ -317,7 +299,7 @@ def evaluate(
         + [Setting(t, r, depth, spec, batch) for spec, depth in trees.items()]
     ]
     bar = tqdm(total=len(candidates) * len(points), desc="eval", disable=not progress or rank != 0)
-    fast_target = fast_model(target, cpu_fast_path, cpu_compile=cpu_compile)
+    fast_target = fast_model(target, backend)
     bench = Bench(fast_target, cfg.max_new_tokens, stop_token_ids(target, tokenizer), seed, cfg.repeats, cfg.warmup)
     mine = selection[rank::world_size]
 
@@ -327,7 +309,7 @@ def evaluate(
         draft, draft_tokenizer = load_draft(cand, device, dtype)
         if draft_tokenizer is not None:  # an EAGLE-3 head's ids are the target's by construction
             check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
-        fast_draft = fast_model(draft, cpu_fast_path, draft=True, cpu_compile=cpu_compile)
+        fast_draft = fast_model(draft, backend, draft=True)
         rows = []
         for point in points:
             rows.append(measure(bench, fast_draft, mine, point, outputs.setdefault(point.temperature, {})))
@@ -362,8 +344,7 @@ def evaluate(
             device=device,
             dtype=dtype,
             gather=gather if world_size > 1 else None,
-            cpu_fast_path=cpu_fast_path,
-            cpu_compile=cpu_compile,
+            backend=backend,
         )
     return report
 
@@ -387,15 +368,14 @@ def confirm(
     device: str,
     dtype: str,
     gather=None,
-    cpu_fast_path: bool = True,
-    cpu_compile: bool = False,
+    backend: BackendOptions = BackendOptions(),
 ) -> dict:
     """Measure the setting `choose` picks from the selection numbers on this rank's confirmation prompts, once per
     batch size -> the report's `confirmation` block (merged over ranks)."""
     cand_report, best = choose(report, serving.temperature, _serving_rule(serving), serving.min_acceptance)
     cand = next(c for c in candidates if c.name == cand_report["name"])
     draft, _ = load_draft(cand, device, dtype)
-    fast_draft = fast_model(draft, cpu_fast_path, draft=True, cpu_compile=cpu_compile)
+    fast_draft = fast_model(draft, backend, draft=True)
     local = [
         measure(
             bench,
@@ -406,215 +386,4 @@ def confirm(
         for b in sorted(cfg.batch_sizes)
     ]
     parts = gather(local) if gather is not None else [local]
-    by_batch = []
-    for i, b in enumerate(sorted(cfg.batch_sizes)):
-        runs = {arm: [u for part in parts for u in part[i]["runs"][arm]] for arm in ("target_only", "speculative")}
-        row = {"batch_size": b, **_paired(runs, best["num_draft_tokens"])}
-        _add_peaks(row, [part[i] for part in parts])
-        by_batch.append(row)
-    return {
-        "name": cand_report["name"],
-        "draft": cand_report["draft"],
-        "num_draft_tokens": best["num_draft_tokens"],
-        "draft_rule": best["draft_rule"],
-        "temperature": best["temperature"],
-        "split": "confirmation",
-        "prompts": sum(len(part[0]["prompts"]) for part in parts),
-        "by_batch_size": by_batch,
-    }
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The report
-
-
-def _paired(runs: dict, gamma: int) -> dict:
-    """`ab.paired_metrics` plus both arms' latency and phases, pooled over every unit and repeat (throughput over
-    the batch, TTFT / TPOT per request)."""
-    base, spec = pooled(runs["target_only"]), pooled(runs["speculative"])
-    agg, base_agg = spec.aggregate(), base.aggregate()
-    latency = ("tokens_per_s", "ttft_s", "tpot_s")
-    return {
-        **paired_metrics(runs["target_only"], runs["speculative"], gamma),
-        **{k: agg[k] for k in latency},
-        "phases": spec.phases.to_dict(),
-        "target_only": {**{k: base_agg[k] for k in latency}, "phases": base.phases.to_dict()},
-        "target_tokens_per_s": base_agg["tokens_per_s"],
-    }
-
-
-def _add_peaks(row: dict, measured: list[dict]) -> None:
-    """Each arm's peak memory, the maximum over ranks: the speculative arm's as `peak_memory_bytes`, target-only's
-    as `target_only.peak_memory_bytes`."""
-    row["peak_memory_bytes"] = max(m["peak"].get("speculative", 0) for m in measured)
-    row["target_only"]["peak_memory_bytes"] = max(m["peak"].get("target_only", 0) for m in measured)
-
-
-def group_requests(requests: list, keys: list[str], prompt_ids: list[str]) -> dict[str, dict]:
-    """Acceptance per group: requests (every repeat of every prompt) under keys, one per request -> {key: stats};
-    `count` is the number of distinct prompts in the group (not prompts x repeats)."""
-    groups: dict[str, list] = {}
-    for key, req, pid in zip(keys, requests, prompt_ids, strict=True):
-        groups.setdefault(key, []).append((req, pid))
-    out = {}
-    for key, members in sorted(groups.items()):
-        reqs = [req for req, _ in members]
-        agg = GenerationStats(requests=reqs, wall_s=0.0, target_forwards=0, draft_forwards=0).aggregate()
-        out[key] = {
-            "acceptance_rate": agg["acceptance_rate"],
-            "mean_accepted_length": agg["mean_accepted_length"],
-            "count": len({pid for _, pid in members}),
-        }
-    return out
-
-
-def length_bucket(n: int, max_new_tokens: int) -> str:
-    return LENGTH_BUCKETS[min(2, 3 * n // max(max_new_tokens, 1))]
-
-
-def length_keys(requests: list, prompt_ids: list[str], max_new_tokens: int) -> list[str]:
-    """Each request's output-length bucket, from its prompt's median output length over the repeats (the lower
-    median): at T > 0 a prompt's repeats differ in length, and every repeat of one prompt must count in one bucket."""
-    lengths: dict[str, list[int]] = {}
-    for req, pid in zip(requests, prompt_ids, strict=True):
-        lengths.setdefault(pid, []).append(req.new_tokens)
-    bucket = {pid: length_bucket(statistics.median_low(ns), max_new_tokens) for pid, ns in lengths.items()}
-    return [bucket[pid] for pid in prompt_ids]
-
-
-def _setting(point: Setting, rows: list[dict], offline: float, cfg: EvalConfig) -> dict:
-    """One setting of the report from every rank's measurement of it."""
-    runs = {arm: [u for row in rows for u in row["runs"][arm]] for arm in ("target_only", "speculative")}
-    prompts = [p for row in rows for p in row["prompts"]]
-    once = merge_stats([unit[0] for unit in runs["speculative"]]).aggregate()  # each prompt once: counts and sizes
-    spec = pooled(runs["speculative"])
-    # pooled requests run unit by unit, each unit's repeats in turn: the prompt keys in the same order
-    units = [prompts[i : i + point.batch_size] for i in range(0, len(prompts), point.batch_size)]
-    order = [p for unit in units for _ in range(cfg.repeats) for p in unit]
-    ids = [p.id for p in order]
-    paired = _paired(runs, point.num_draft_tokens)
-    _add_peaks(paired, rows)
-    return {
-        "num_draft_tokens": point.num_draft_tokens,
-        "temperature": point.temperature,
-        "draft_rule": point.draft_rule,
-        "tree": point.tree,
-        "batch_size": point.batch_size,
-        **paired,
-        "expected_acceptance": offline,
-        "wall_s": once["wall_s"],
-        "new_tokens": once["new_tokens"],
-        "target_forwards": once["target_forwards"],
-        "draft_forwards": once["draft_forwards"],
-        "by_category": group_requests(spec.requests, [p.category for p in order], ids),
-        "by_length": group_requests(spec.requests, length_keys(spec.requests, ids, cfg.max_new_tokens), ids),
-    }
-
-
-def _target_only(parts: list[dict], temperature: float) -> dict:
-    """Target-only decoding at one temperature, pooled over every setting's paired runs at that temperature."""
-    rows = [
-        cand["rows"][i]
-        for part in parts
-        for cand in part["candidates"]
-        for i, point in enumerate(part["points"])
-        if point.temperature == temperature
-    ]
-    calls = [call for row in rows for unit in row["runs"]["target_only"] for call in unit]
-    agg = merge_stats(calls).aggregate()
-    return {
-        "temperature": temperature,
-        **{k: agg[k] for k in ("tokens_per_s", "ttft_s", "tpot_s", "decode_s")},
-        "calls": len(calls),
-        "peak_memory_bytes": max(row["peak"].get("target_only", 0) for row in rows),  # the target-only arm's
-    }
-
-
-def build_report(
-    parts: list[dict],
-    candidates: list[Candidate],
-    cfg: EvalConfig,
-    *,
-    target_spec: str,
-    fingerprint: str,
-    device,
-    backend: str,
-    stop_ids: tuple[int, ...],
-    split_counts: tuple[int, int],
-) -> dict:
-    """Merge per-rank measurements into the report dict (the selection half's sweep)."""
-    points = parts[0]["points"]
-    categories: dict[str, int] = {}
-    for row in (part["candidates"][0]["rows"][0] for part in parts):
-        for p in row["prompts"]:
-            categories[p.category] = categories.get(p.category, 0) + 1
-    report_candidates = []
-    for c_idx, cand in enumerate(candidates):
-        per_rank = [part["candidates"][c_idx] for part in parts]
-        settings = [
-            _setting(
-                point,
-                [m["rows"][s_idx] for m in per_rank],
-                sum(m["offline"][(point.temperature, point.draft_rule)] for m in per_rank) / len(per_rank),
-                cfg,
-            )
-            for s_idx, point in enumerate(points)
-        ]
-        report_candidates.append(
-            {
-                "name": cand.name,
-                "draft": str(cand.path),
-                "kind": cand.kind,
-                "run_dir": str(cand.run_dir) if cand.run_dir else None,
-                "num_parameters": per_rank[0]["params"],
-                "expected_acceptance": sum(m["offline_t1"] for m in per_rank) / len(per_rank),
-                "expected_acceptance_temperature": 1.0,
-                "settings": settings,
-            }
-        )
-    return {
-        "schema_version": 1,
-        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "target": target_spec,
-        "target_fingerprint": fingerprint,
-        "device": _device_name(device),
-        "prompts": {
-            "source": cfg.prompts,
-            "count": sum(split_counts),
-            "selection": split_counts[0],
-            "confirmation": split_counts[1],
-            "categories": categories,
-        },
-        "sweep": {
-            "num_draft_tokens": cfg.num_draft_tokens,
-            "temperatures": cfg.temperatures,
-            "draft_rules": cfg.draft_rules,
-            "trees": cfg.trees,
-            "max_new_tokens": cfg.max_new_tokens,
-            "batch_size": min(cfg.batch_sizes),
-            "batch_sizes": cfg.batch_sizes,
-        },
-        "settings": {
-            "backend": backend,
-            "split": "selection",
-            "repeats": cfg.repeats,
-            "warmup": cfg.warmup,
-            "stop_token_ids": list(stop_ids),
-        },
-        "target_only": [_target_only(parts, t) for t in cfg.temperatures],
-        "candidates": report_candidates,
-    }
-
-
-def _device_name(device) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return "cpu"
-
-
-def save_report(report: dict, out_dir: Path) -> Path:
-    """report.json, written atomically."""
-    from eval.report import write_json_atomic
-
-    return write_json_atomic(report, out_dir / "report.json")
+    return confirmation_block(parts, cand_report["name"], cand_report["draft"], best, cfg.batch_sizes)

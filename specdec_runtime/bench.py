@@ -7,9 +7,9 @@ All arms run in this process on the same prompts with the same stop tokens, pair
 ABBA order per unit, `repeats` times); warm-up runs on the longest unit are excluded from timings. A unit is one
 batch of `batch_size` prompts (prompts past the last full batch are left out, so every timed call has one shape and
 the static cache and CUDA graphs are never rebuilt inside a timed run). On CUDA, Llama-family models run through the
-compact model (bf16 static cache + CUDA graphs) for both of our modes (on the CPU its fast CPU path, `cpu.py`), while
-HF assisted generation uses the HF models as given; HF assisted generation only supports batch size 1, so it runs
-prompt by prompt whatever `batch_size` is.
+compact model (bf16 static cache + CUDA graphs) for both of our modes (on the CPU its fast CPU path, `cpu.py`; both
+chosen by `backends.fast_model`), while HF assisted generation uses the HF models as given; HF assisted generation
+only supports batch size 1, so it runs prompt by prompt whatever `batch_size` is.
 
 HF assisted generation reads its drafting knobs from the *draft's* generation config, not from the arguments of
 `generate` (transformers 5, generation/candidate_generator.py: `num_assistant_tokens`,
@@ -29,59 +29,15 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 
 from .ab import capture_graphs, decode_s_per_token, paired_metrics, paired_runs, paired_speedup, pooled
-from .cpu import CPU_BACKEND, CPU_COMPILED_BACKEND, compile_steps, cpu_eagle3, cpu_model, draft_dtype
+from .backends import BackendOptions, backend_name, fast_model, full_units, longest_unit
 from .eagle3 import Eagle3Draft
 from .engine import generate
-from .llama import Llama
 from .loading import stop_token_ids
 from .metrics import GenerationStats
 from .sampling import DraftRule, SamplingParams
-
-
-def fast_model(
-    model: torch.nn.Module, cpu_fast_path: bool = True, draft: bool = False, cpu_compile: bool = False
-) -> torch.nn.Module:
-    """The compact bf16 model for a Llama checkpoint on CUDA; on the CPU the compact model's fast CPU path
-    (`cpu.cpu_model`: fp32 for a target, `cpu.draft_dtype()` for a draft) unless cpu_fast_path is False, its steps
-    compiled by Inductor when cpu_compile (`cpu.compile_steps`; CUDA has its graphs instead); any other model is
-    returned as is. An EAGLE-3 head stays an `Eagle3Draft` (the engine pairs it with the target's state): on the CPU
-    fast path with its linears laid out once (`cpu.cpu_eagle3`, `cpu.draft_dtype()`, eager), elsewhere as it is."""
-    if isinstance(model, Eagle3Draft):
-        on_cpu = model.fc.weight.device.type == "cpu"
-        fast = on_cpu and cpu_fast_path and not getattr(model, "cpu_fast", False)
-        return cpu_eagle3(model, draft_dtype()) if fast else model
-    if model.device.type == "cuda" and model.config.model_type == "llama":
-        return Llama.from_hf(model, dtype=torch.bfloat16)
-    if model.device.type == "cpu" and cpu_fast_path and isinstance(model, LlamaForCausalLM):
-        fast = cpu_model(model, dtype=draft_dtype() if draft else torch.float32)
-        return compile_steps(fast) if cpu_compile else fast
-    return model
-
-
-def backend_name(model: torch.nn.Module) -> str:
-    """Which decoding backend a model runs: the compact static-cache model (CUDA graphs on CUDA, fused CPU layouts
-    on the CPU fast path) or HF eager."""
-    if isinstance(model, Llama):
-        if model.cpu_fast:
-            return CPU_COMPILED_BACKEND if model.compiled_step is not None else CPU_BACKEND
-        return "compact-static-cache+cuda-graphs" if model.device.type == "cuda" and model.use_graphs else "compact"
-    return "hf-eager"
-
-
-def full_units(items: Sequence, batch_size: int) -> list[list]:
-    """Consecutive batches of exactly batch_size items (the remainder is left out) -> units."""
-    if batch_size > len(items):
-        raise ValueError(f"batch size {batch_size} needs at least {batch_size} prompts (got {len(items)})")
-    return [list(items[i : i + batch_size]) for i in range(0, len(items) - batch_size + 1, batch_size)]
-
-
-def longest_unit(units: list[list[list[int]]]) -> int:
-    """Index of the unit holding the longest prompt: its warm-up allocates the largest cache any timed call needs."""
-    return max(range(len(units)), key=lambda i: max(len(p) for p in units[i]))
-
 
 # ---------------------------------------------------------------------------------------- HF assisted generation
 
@@ -185,8 +141,7 @@ def run_bench(
     repeats: int = 3,
     draft_rule: DraftRule = "greedy",
     tree: str | None = None,
-    cpu_fast_path: bool = True,
-    cpu_compile: bool = False,
+    backend: BackendOptions = BackendOptions(),
 ) -> dict:
     """Bench JSON of DESIGN.md (`bench --json`); the tokenizer is read for its eos/pad token ids only.
 
@@ -194,13 +149,13 @@ def run_bench(
     the units' paired decode-seconds-per-token ratios with its 95 % bootstrap interval `speedup_ci`.
     tree: a token-tree spec ('4,2,2,1', 'dynamic:NODES'); adds a `tree` block (the same metrics for the tree, plus
     speedup_vs_chain over the chain of num_draft_tokens, paired on the same units).
-    cpu_fast_path: on the CPU, decode through `cpu.cpu_model` (False: the HF models, eager).
-    cpu_compile: on the CPU fast path, compile the target's and a standalone draft's steps (`cpu.compile_steps`);
-    compiling happens in the warm-up and `capture_graphs`, outside the timed runs.
+    backend: how to decode on the CPU (`backends.fast_model`: the fast path, or the HF models, eager; compiled
+    steps for the target and a standalone draft, compiled in the warm-up and `capture_graphs`, outside the timed
+    runs).
     """
     stop = stop_token_ids(target, tokenizer)
-    fast_target = fast_model(target, cpu_fast_path, cpu_compile=cpu_compile)
-    fast_draft = fast_model(draft, cpu_fast_path, draft=True, cpu_compile=cpu_compile)
+    fast_target = fast_model(target, backend)
+    fast_draft = fast_model(draft, backend, draft=True)
     hf_draft = copy.deepcopy(draft) if draft is target else draft  # the width hook must see target forwards only
     units = full_units(prompts, batch_size)
     ours = dict(

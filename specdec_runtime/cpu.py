@@ -14,7 +14,8 @@ rebuilds the compact model with:
 
 The target's numerics stay fp32 (only the layouts change); `draft_dtype` may store a draft's decoder and head weights
 in bf16 (measured per machine: worth it only where the CPU has native bf16 GEMMs). The model stays a `Llama`, so the
-engine drives it through the same `StaticState` as on CUDA; `cpu_model(hf)` is what `bench.fast_model` returns on CPU.
+engine drives it through the same `StaticState` as on CUDA; `cpu_model(hf)` is what `backends.fast_model` returns on
+CPU.
 
     from specdec_runtime.cpu import cpu_model
     target = cpu_model(hf_target)                       # fp32, identical greedy output to HF
@@ -69,14 +70,17 @@ class FusedLinear(nn.Module):
     fp32 keeps two layouts (`GEMV_ROWS`): the transposed (K, N) weight for 1-4 rows and the oneDNN-packed one for
     more; other dtypes (a bf16 draft) keep only the packed one, which oneDNN runs natively (bf16 `torch.mm` would
     reorder the weight per call). `gemv=False` (the output head: 113 MB for SmolLM2) keeps only the packed layout.
+    Where oneDNN has no bf16 path (AVX2 alone, `draft_dtype` is then fp32 and no preset asks for bf16) a bf16 weight
+    keeps the transposed layout only and runs on `torch.mm`: slow, but the same numerics.
     """
 
     def __init__(self, linears: list[nn.Linear], dtype: torch.dtype, gemv: bool = True):
         super().__init__()
         weight = torch.cat([lin.weight.detach() for lin in linears], 0).to(dtype)  # (N, K)
         self.out_features, self.dtype = weight.shape[0], dtype
-        self.register_buffer("packed", _packed(weight), persistent=False)
-        w_t = weight.t().contiguous() if gemv and dtype == torch.float32 else None  # (K, N)
+        packable = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        self.register_buffer("packed", _packed(weight) if packable else None, persistent=False)
+        w_t = weight.t().contiguous() if not packable or (gemv and dtype == torch.float32) else None  # (K, N)
         self.register_buffer("w_t", w_t, persistent=False)
         biases = [lin.bias for lin in linears]
         bias = None
@@ -87,11 +91,11 @@ class FusedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:  # Llama.setup_cache reads the compute dtype from lm_head.weight
-        return self.packed
+        return self.packed if self.packed is not None else self.w_t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)  # (M, K)
-        if self.w_t is not None and x2.shape[0] <= GEMV_ROWS:
+        if self.w_t is not None and (x2.shape[0] <= GEMV_ROWS or self.packed is None):
             y = torch.mm(x2, self.w_t) if self.bias is None else torch.addmm(self.bias, x2, self.w_t)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
@@ -199,7 +203,7 @@ def compile_steps(model: Llama) -> Llama:
     and serving processes, not for a few prompts. Output is the eager fast path's up to the fp32 rounding of fused
     kernels (max |logit diff| ~4e-5 on SmolLM2), so greedy tokens can differ on near-exact ties only.
     Needs no_grad or inference_mode at call time (the engine decodes under no_grad)."""
-    if not getattr(model, "cpu_fast", False):
+    if not (isinstance(model, Llama) and model.cpu_fast):
         raise ValueError("compile_steps compiles the CPU fast path's model: build it with cpu_model(hf_model) first")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._dynamo.config.accumulated_recompile_limit = max(

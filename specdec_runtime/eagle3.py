@@ -253,6 +253,7 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(llama.vocab_size, dtype=torch.bool))
         self.rotary = LlamaRotaryEmbedding(llama)  # inv_freq is a non-persistent buffer: not in the weights
+        self.cpu_fast = False  # True: a `cpu.cpu_eagle3` copy, its linears laid out once for the CPU
 
     @property
     def target_vocab(self) -> int:
@@ -260,9 +261,8 @@ class Eagle3Draft(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype the head computes in: its fc's (a `cpu.cpu_eagle3` copy's linears keep it next to a packed
-        weight whose layout is oneDNN's)."""
-        return getattr(self.fc, "dtype", None) or self.fc.weight.dtype
+        """The dtype the head computes in: its fc's (a `cpu.cpu_eagle3` copy's packed weight keeps the dtype too)."""
+        return self.fc.weight.dtype
 
     def aux_layers(self, num_target_layers: int) -> list[int]:
         """The target layers this draft reads: the config's ids, or the engines' default when it names none."""

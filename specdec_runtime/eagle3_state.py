@@ -99,7 +99,7 @@ def capture_for(target: nn.Module, aux_layers: list[int], state) -> AuxCapture:
         capture = AuxCapture([layers[i] for i in aux_layers])
         weakref.finalize(state, capture.close)
         return capture
-    kept = getattr(target, "eagle3_capture", None)
+    kept = target.eagle3_capture
     if kept is None or kept[0] != tuple(aux_layers):
         if kept is not None:
             kept[1].close()

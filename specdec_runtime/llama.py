@@ -148,6 +148,7 @@ class Llama(nn.Module):
         self.compiled_step = None  # cpu.compile_steps: the Inductor-compiled forward that runs `step` on the CPU
         self.graphs: dict[int, dict[int, tuple]] = {}  # T -> rows -> (graph, inputs, logits), valid for cache_shape
         self.graph_pool = None
+        self.eagle3_capture = None  # eagle3_state.capture_for: (aux layers, AuxCapture) its CUDA graphs copy into
 
     @property
     def device(self) -> torch.device:

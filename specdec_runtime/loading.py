@@ -424,19 +424,26 @@ def stop_token_ids(model, tokenizer) -> tuple[int, ...]:
 def check_vocab_compatible(target_tokenizer, draft_tokenizer, draft_vocab_size: int | None = None) -> None:
     """Refuse a draft whose tokens mean something else to the target.
 
-    Every id the draft can emit (its head size, or its tokenizer size) must map to the same token string in the
-    target's tokenizer, and the special tokens must agree: otherwise accepted draft tokens would decode to other text.
+    Without `draft_vocab_size` the two vocabularies must be the same: every id of either tokenizer maps to the same
+    token in the other (a student distilled on the target's logits). With it, only the ids the draft can emit (below
+    its head size, where its tokenizer has a token) must map to the same token in the target's tokenizer: a draft
+    with a reduced or padded head. The special tokens must agree in both cases; otherwise accepted draft tokens would
+    decode to other text. The error names the first differing ids and how many differ.
     """
     target_vocab = {i: t for t, i in target_tokenizer.get_vocab().items()}
     draft_vocab = {i: t for t, i in draft_tokenizer.get_vocab().items()}
-    n = draft_vocab_size if draft_vocab_size is not None else len(draft_vocab)
-    for i in range(n):
-        if target_vocab.get(i) != draft_vocab.get(i) and i in draft_vocab:
-            raise VocabMismatchError(
-                f"target and draft vocabularies differ at id {i}: target {target_vocab.get(i)!r} vs draft "
-                f"{draft_vocab.get(i)!r}; the draft must use the target's tokenizer (build it from the target with "
-                "draft.init=truncate or config, or pick a draft of the same model family)"
-            )
+    if draft_vocab_size is None:
+        ids = sorted(target_vocab.keys() | draft_vocab.keys())
+    else:
+        ids = [i for i in range(draft_vocab_size) if i in draft_vocab]
+    differ = [i for i in ids if target_vocab.get(i) != draft_vocab.get(i)]
+    if differ:
+        first = "; ".join(f"id {i}: target {target_vocab.get(i)!r} vs draft {draft_vocab.get(i)!r}" for i in differ[:5])
+        raise VocabMismatchError(
+            f"target and draft vocabularies differ at {first} ({len(differ)} differing in all; target "
+            f"{len(target_vocab)} tokens, draft {len(draft_vocab)}); the draft must use the target's tokenizer (build "
+            "it from the target with draft.init=truncate or config, or pick a draft of the same model family)"
+        )
     for name in SPECIAL_TOKENS:
         t, d = getattr(target_tokenizer, name, None), getattr(draft_tokenizer, name, None)
         if t != d:

@@ -346,12 +346,6 @@ def accepted_path_indices(parents: torch.Tensor, last: torch.Tensor, max_depth: 
     return torch.where(j < n, up.gather(1, (n - 1 - j).clamp_min(0)), -1)
 
 
-def path_node_mask(path: torch.Tensor, num_nodes: int) -> torch.Tensor:
-    """Accepted path (B, D) -> (B, N) bool over tree nodes: the column mask a hole-tolerant cache keeps."""
-    hit = torch.zeros(path.shape[0], num_nodes + 1, dtype=torch.bool, device=path.device)
-    return hit.scatter(1, path + 1, True)[:, 1:]  # -1 padding lands in the dropped column 0
-
-
 def verify_tree_greedy(
     tree: Tree, tokens: torch.Tensor, target_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

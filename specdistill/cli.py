@@ -149,14 +149,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
         default="embedded:smollm2-135m-instruct",
         help="target model spec: HF id, local folder, .gguf file or embedded:smollm2-135m-instruct",
     )
-    if draft:
-        p.add_argument("--draft", default=None, help="draft model spec; omit for target-only decoding")
+    p.add_argument("--draft", default=None, help="draft model spec; omit for target-only decoding")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -247,6 +246,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
     from distill.prompts import load_prompts, render_chat
+    from specdec_runtime.backends import BackendOptions
     from specdec_runtime.bench import format_bench_table, run_bench
     from specdec_runtime.loading import check_vocab_compatible, load_draft_model, load_model
     from specdec_runtime.tree import parse_tree
@@ -278,7 +278,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         seed=args.seed,
         repeats=args.repeats,
         tree=args.tree,
-        cpu_compile=args.cpu_compile,
+        backend=BackendOptions(cpu_compile=args.cpu_compile),
     )
     result.update(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(prompts))
     print(format_bench_table(result))
@@ -305,13 +305,13 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 def cmd_distill(args: argparse.Namespace) -> None:
     from specdistill.config import save_resolved
-    from specdistill.pipeline import dist_state, print0, stage_data, stage_distill
+    from specdistill.pipeline import dist_state, print0, run_distill, stage_data
 
     cfg = _stage_config(args)
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     if dist.is_main:
         save_resolved(cfg, Path(cfg.output_dir) / "config.yaml")
-    dirs = stage_distill(cfg, dist, stage_data(cfg, dist))
+    dirs = run_distill(cfg, stage_data(cfg, dist))
     for name, path in dirs.items():
         print0(dist, f"candidate {name}: {path}")
 

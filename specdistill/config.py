@@ -1,7 +1,8 @@
 """Strict, typed configs: dataclasses in, YAML files and `key=value` overrides on top, every mistake caught early.
 
-Each stage owns the dataclass of its own section (`distill/config.py`, `train/config.py`, `eval/config.py`, ...);
-this module composes them into `RootConfig`, loads YAML, applies dotted overrides and validates:
+Each stage owns the dataclass of its own section (`distill/config.py`, `train/config.py`, `eval/config.py`, ...;
+`target` lives in `specdec_runtime/backends.py`); this module composes them into `RootConfig`, loads YAML, applies
+dotted overrides and validates:
 
     cfg = load_config("configs/quickstart.yaml", ["train.max_steps=20", "distill.objective=tv"])
 
@@ -25,44 +26,16 @@ from typing import Any, Literal
 
 import yaml
 
-from distill.config import DataConfig, DistillConfig, deprecated
+from distill.config import DataConfig, DistillConfig
 from distill.students import DraftConfig
 from eval.config import EvalConfig, ServingConfig
 from specdec_runtime import atomic
+from specdec_runtime.backends import TargetConfig
 from train.config import TrackingConfig, TrainConfig
 
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message names the key and the fix."""
-
-
-@dataclass
-class TargetConfig:
-    model: str = "embedded:smollm2-135m-instruct"
-    """Target model spec: an HF id, a local HF folder, a .gguf file, or embedded:smollm2-135m-instruct."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype; auto = float32 on CPU, bfloat16 on CUDA."""
-    device: str = "auto"
-    """Device to run the target on: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
-    trust_remote_code: bool = False
-    """Run modelling code shipped with the checkpoint. Off by default: it executes arbitrary Python."""
-    allow_pickle: bool = False
-    """Allow pickle `.bin` weights (arbitrary code on load); safetensors only by default."""
-    cpu_fast_path: bool = True
-    """On the CPU, decode Llama-family models through the runtime's fast CPU path (compact model, static cache, fused
-    pre-packed weights: specdec_runtime/cpu.py) in the data stage and eval; false decodes with the HF models."""
-    cpu_compile: bool = False
-    """On the CPU fast path, also compile the decode and verify steps of the target and of standalone drafts with
-    Inductor (`cpu.compile_steps`): ~1.3x faster steps after ~30 s of compiling per graph and model the first time a
-    process sees it, and up to one more copy of the weights per graph (docs/runtime.md); pays in long eval sweeps
-    and serving processes. Needs cpu_fast_path."""
-
-    def __post_init__(self) -> None:
-        if self.cpu_compile and not self.cpu_fast_path:
-            raise ValueError(
-                "target.cpu_compile compiles the CPU fast path's steps, but target.cpu_fast_path is false: "
-                "set target.cpu_fast_path=true or target.cpu_compile=false"
-            )
 
 
 @dataclass
@@ -109,8 +82,12 @@ class RootConfig:
         names = [c.name for c in self.candidates]
         if len(set(names)) != len(names):
             raise ValueError(f"candidates: duplicate names in {names}")
-        for cand in self.candidates:
-            candidate_config(self, cand.name)  # each candidate's overrides must type-check too
+        # Each candidate is resolved here, once: its overrides type-check before any work starts, and every stage
+        # reads the result instead of applying the overrides again. Not a field: it stays out of config.yaml and
+        # of every fingerprint. A config without candidates is its own single candidate, `draft`.
+        self.candidate_configs: dict[str, RootConfig] = (
+            {c.name: _apply_overrides(self, c) for c in self.candidates} if self.candidates else {"draft": self}
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -209,7 +186,6 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     valid = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
-        key = _renamed(cls, key, where, data)
         if key not in valid:
             raise _unknown_key(str(key), valid, where)
         kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
@@ -219,17 +195,6 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
         raise
     except ValueError as e:
         raise ConfigError(f"{where.rstrip('.') or 'config'}: {e}") from None
-
-
-def _renamed(cls: type, key: Any, where: str, data: dict) -> Any:
-    """A section's deprecated key name -> its current name, with a one-line FutureWarning (section.RENAMED)."""
-    new = getattr(cls, "RENAMED", {}).get(key)
-    if new is None:
-        return key
-    if new in data:
-        raise ConfigError(f"{where}{key} is the deprecated name of {where}{new}; set only {where}{new}")
-    deprecated(f"{where}{key} is deprecated; use {where}{new} (same meaning)")
-    return new
 
 
 def to_dict(obj: Any) -> Any:
@@ -287,12 +252,9 @@ def set_dotted(data: dict, key: str, value: Any, cls: type = RootConfig) -> None
         if not dataclasses.is_dataclass(tp):
             raise ConfigError(f"override {key!r}: {where.rstrip('.')} is not a section")
         valid = [f.name for f in dataclasses.fields(tp)]
-        part = _renamed(tp, part, where, {})
         if part not in valid:
             raise _unknown_key(part, valid, where)
         if i == len(parts) - 1:
-            for alias in (k for k, v in getattr(tp, "RENAMED", {}).items() if v == part):
-                node.pop(alias, None)  # the override replaces the file's value under its deprecated name
             node[part] = value
             return
         tp = typing.get_type_hints(tp)[part]
@@ -303,33 +265,33 @@ def set_dotted(data: dict, key: str, value: Any, cls: type = RootConfig) -> None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RootConfig:
-    """YAML file (or the defaults when None) + `key=value` overrides -> validated RootConfig."""
+    """YAML file (or the defaults when None) + `key=value` overrides -> validated RootConfig, its candidates
+    resolved (`RootConfig.candidate_configs`)."""
     data = read_yaml(path) if path is not None else {}
     for text in overrides:
         set_dotted(data, *parse_override(text))
-    cfg = from_dict(RootConfig, data)
-    if not cfg.output_dir:
-        cfg.output_dir = str(Path("runs") / (Path(path).stem if path else "default"))
-    return cfg
+    if not data.get("output_dir"):  # before the candidates are resolved: they inherit it
+        data["output_dir"] = str(Path("runs") / (Path(path).stem if path else "default"))
+    return from_dict(RootConfig, data)
 
 
-def candidate_config(cfg: RootConfig, name: str) -> RootConfig:
-    """The root config as candidate `name` sees it: its overrides applied on top of the shared sections."""
+def _apply_overrides(cfg: RootConfig, cand: CandidateConfig) -> RootConfig:
+    """The root config as candidate `cand` sees it: its overrides applied on top of the shared sections."""
     data = to_dict(cfg)
     data["candidates"] = []
-    cand = next((c for c in cfg.candidates if c.name == name), None)
-    if cand is None:
-        raise ConfigError(f"unknown candidate {name!r}; candidates: {[c.name for c in cfg.candidates]}")
     try:
         for key, value in cand.overrides.items():
             set_dotted(data, key, value)
         return from_dict(RootConfig, data)
     except ConfigError as e:
-        raise ConfigError(f"candidates[{name}].overrides: {e}") from None
+        raise ConfigError(f"candidates[{cand.name}].overrides: {e}") from None
 
 
-def candidate_names(cfg: RootConfig) -> list[str]:
-    return [c.name for c in cfg.candidates] or ["draft"]
+def candidate_config(cfg: RootConfig, name: str) -> RootConfig:
+    """Candidate `name`'s resolved config (a lookup: candidates are resolved when the root config is built)."""
+    if name not in cfg.candidate_configs:
+        raise ConfigError(f"unknown candidate {name!r}; candidates: {list(cfg.candidate_configs)}")
+    return cfg.candidate_configs[name]
 
 
 def dump_yaml(cfg: RootConfig) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdistill.config import RootConfig, candidate_config, candidate_names, dump_yaml, save_resolved, to_dict
+from specdistill.config import RootConfig, dump_yaml, save_resolved, to_dict
 
 if TYPE_CHECKING:  # train/ is imported by the stages that need it, so `specdistill --help` stays fast
     from train.loop import CandidateRun
@@ -42,8 +42,9 @@ RESUMABLE_CHANGES = {
     "train.timeout_minutes",
     "distill.chunked_head",
 }
-# Keys added after runs were marked DONE that change how a run executes, not what it trains: left out of the DONE
-# fingerprint, so finished runs stay finished.
+# Of those, the keys that change how a run executes and not what it trains (where the teacher's weights live, the
+# process-group timeout, how the loss is chunked: the same weights come out). They stay out of the DONE fingerprint,
+# so a finished candidate is not trained again when only they change.
 EXECUTION_ONLY = {"train.shard_teacher", "train.timeout_minutes", "distill.chunked_head"}
 
 
@@ -114,9 +115,9 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
 
     check_prompt_roles(cfg)
     teacher, tokenizer, teacher_id = target or load_target(cfg, dist)
-    resolved = [candidate_config(cfg, name) if cfg.candidates else cfg for name in candidate_names(cfg)]
     # EAGLE-3 candidates that train from the offline cache need the teacher's aux hidden states stored in it.
-    aux_layers = cached_aux_layers([(c.draft, c.distill) for c in resolved], teacher.config.num_hidden_layers)
+    candidates = [(c.draft, c.distill) for c in cfg.candidate_configs.values()]
+    aux_layers = cached_aux_layers(candidates, teacher.config.num_hidden_layers)
     return generate_teacher_data(
         teacher,
         tokenizer,
@@ -128,22 +129,17 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
         world_size=dist.world_size,
         barrier=dist.barrier,
         aux_layers=aux_layers,
-        cpu_fast_path=cfg.target.cpu_fast_path,
-        cpu_compile=cfg.target.cpu_compile,
+        backend=cfg.target.backend,
     )
 
 
 def check_prompt_roles(cfg: RootConfig) -> None:
     """Refuse to start a run whose test prompts (the first eval.max_prompts of eval.prompts) overlap its training or
     validation prompts: DESIGN.md's three prompt roles stay disjoint."""
-    from distill.data import check_test_prompts
+    from distill.prompt_roles import check_test_prompts
     from distill.prompts import load_prompts
 
     check_test_prompts(cfg.data, load_prompts(cfg.eval.prompts)[: cfg.eval.max_prompts or None], cfg.eval.prompts)
-
-
-def stage_distill(cfg: RootConfig, dist: Dist, teacher_data, target=None) -> dict[str, Path]:
-    return run_distill(cfg, teacher_data, target=target)
 
 
 def run_distill(cfg: RootConfig, teacher_data, *, target=None) -> dict[str, Path]:
@@ -160,16 +156,15 @@ def run_distill(cfg: RootConfig, teacher_data, *, target=None) -> dict[str, Path
     from train.loop import shards_teacher
 
     best = {}
-    for name in candidate_names(cfg):
-        resolved = candidate_config(cfg, name) if cfg.candidates else cfg
-        cand = Path(resolved.output_dir) / "candidates" / name
-        if is_done(cand, training_fingerprint(resolved)):
-            PartialState().print(f"{name}: already distilled with these settings ({cand / 'best'}); skipping")
+    for name, resolved in cfg.candidate_configs.items():
+        run = candidate_run(resolved, name)
+        if is_done(run.out_dir, run.fingerprint):
+            PartialState().print(f"{name}: already distilled with these settings ({run.out_dir / 'best'}); skipping")
         else:
-            keeps = target and resolved.target == cfg.target and not shards_teacher(candidate_run(resolved, name))
+            keeps = target and resolved.target == cfg.target and not shards_teacher(run)
             teacher, tokenizer, _ = target if keeps else (None, None, None)
             distill_candidate(resolved, name, teacher_data, teacher=teacher, tokenizer=tokenizer)
-        best[name] = cand / "best"
+        best[name] = run.out_dir / "best"
     return best
 
 
@@ -179,8 +174,8 @@ def shards_a_teacher(cfg: RootConfig) -> bool:
     from train.checkpoint import is_done
     from train.loop import shards_teacher
 
-    for name in candidate_names(cfg):
-        run = candidate_run(cfg, name)
+    for name, resolved in cfg.candidate_configs.items():
+        run = candidate_run(resolved, name)
         if shards_teacher(run) and not is_done(run.out_dir, run.fingerprint):
             return True
     return False
@@ -200,8 +195,8 @@ def free_memory() -> None:
 def distill_candidate(cfg: RootConfig, name: str, teacher_data, *, teacher=None, tokenizer=None) -> Path:
     """Distill candidate `name` and return its folder <output_dir>/candidates/<name>/.
 
-    `cfg` is the root config (the candidate's overrides are applied here) or an already resolved candidate config.
-    `teacher`, `tokenizer`: an already loaded target to reuse; loaded from `cfg.target` when None.
+    `cfg` is the candidate's resolved config (`root.candidate_configs[name]`; a config without candidates is its
+    own). `teacher`, `tokenizer`: an already loaded target to reuse; loaded from `cfg.target` when None.
     """
     from train.loop import distill
 
@@ -209,11 +204,10 @@ def distill_candidate(cfg: RootConfig, name: str, teacher_data, *, teacher=None,
 
 
 def candidate_run(cfg: RootConfig, name: str) -> CandidateRun:
-    """Candidate `name` as the recipe takes it: its sections with its overrides applied, its folder, and the
-    resolved config with the DONE fingerprint and the resume check made from it."""
+    """Candidate `name` as the recipe takes it, from its resolved config `cfg` (see `distill_candidate`): its
+    sections, its folder, and the resolved config with the DONE fingerprint and the resume check made from it."""
     from train.loop import CandidateRun
 
-    cfg = candidate_config(cfg, name) if cfg.candidates else cfg
     out = Path(cfg.output_dir)
     return CandidateRun(
         name=name,
@@ -244,7 +238,7 @@ def training_fingerprint(cfg: RootConfig) -> str:
     data = to_dict(cfg)
     for key in EXECUTION_ONLY:
         section, name = key.split(".")
-        data[section].pop(name, None)
+        data[section].pop(name)
     blob = json.dumps({k: data[k] for k in TRAINING_SECTIONS}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -263,7 +257,7 @@ def config_drift(saved: dict, current: dict) -> list[str]:
 def eval_prompts(source: str, tokenizer, limit: int, *, trained_on=None):
     """The first `limit` test prompts of `source`; with `trained_on` (the drafts' DataConfig) they are refused when
     they overlap the prompts the drafts were trained or validated on."""
-    from distill.data import check_test_prompts
+    from distill.prompt_roles import check_test_prompts
     from distill.prompts import load_prompts, render_chat
     from eval.sweep import EvalPrompt
 
@@ -279,12 +273,13 @@ def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target
     `trained_on`: the candidates' DataConfig; eval prompts they were trained or validated on are refused."""
     from eval.recommend import recommend
     from eval.report import write_reports
-    from eval.sweep import evaluate, save_report
+    from eval.results import save_report
+    from eval.sweep import run_sweep
     from train.tracking import make_tracker
 
     target_model, tokenizer, _ = target or load_target(cfg, dist)
     prompts = eval_prompts(cfg.eval.prompts, tokenizer, cfg.eval.max_prompts, trained_on=trained_on)
-    report = evaluate(
+    report = run_sweep(
         target_model,
         tokenizer,
         candidates,
@@ -298,8 +293,7 @@ def stage_eval(cfg: RootConfig, dist: Dist, candidates, *, out_dir: Path, target
         rank=dist.rank,
         world_size=dist.world_size,
         gather=dist.gather,
-        cpu_fast_path=cfg.target.cpu_fast_path,
-        cpu_compile=cfg.target.cpu_compile,
+        backend=cfg.target.backend,
     )
     path = out_dir / "report.json"
     if dist.is_main:
@@ -325,7 +319,7 @@ def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: boo
     says `enabled: false` with the reason."""
     from eval.export import export_draft
     from eval.promote import promote
-    from eval.sweep import target_fingerprint
+    from eval.results import target_fingerprint
     from specdec_runtime.loading import load_tokenizer
 
     target_model, tokenizer, _ = target or load_target(cfg, dist_state(cfg.target.device, cfg.train.timeout_minutes))
@@ -353,7 +347,7 @@ def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: boo
 
 
 def candidate_dirs(cfg: RootConfig) -> list[Path]:
-    return [Path(cfg.output_dir) / "candidates" / name for name in candidate_names(cfg)]
+    return [Path(cfg.output_dir) / "candidates" / name for name in cfg.candidate_configs]
 
 
 def config_candidates(cfg: RootConfig):
@@ -379,7 +373,7 @@ def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
         report.get("eval_config") == json.loads(json.dumps(cfg.eval.__dict__))
         and "recommendation" in report
         and report_path.stat().st_mtime >= newest_best
-        and sorted(c["name"] for c in report["candidates"]) == sorted(candidate_names(cfg))
+        and sorted(c["name"] for c in report["candidates"]) == sorted(cfg.candidate_configs)
     )
 
 
@@ -391,16 +385,14 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     check_prompt_roles(cfg)  # before the target loads: a run that would test on seen prompts never starts
     if dist.is_main:
         save_resolved(cfg, out / "config.yaml")
-        for name in candidate_names(cfg) if cfg.candidates else []:
-            candidate_config(cfg, name)  # every candidate's overrides validated before hours of work
     target = load_target(cfg, dist)
     print0(dist, f"[1/5] data -> {out / 'data'}")
     teacher_data = stage_data(cfg, dist, target)
-    print0(dist, f"[2/5] distill {len(candidate_names(cfg))} candidate(s) -> {out / 'candidates'}")
+    print0(dist, f"[2/5] distill {len(cfg.candidate_configs)} candidate(s) -> {out / 'candidates'}")
     if shards_a_teacher(cfg):  # freed while those candidates train, loaded again (memory-mapped) for eval
         target = None
         free_memory()
-    stage_distill(cfg, dist, teacher_data, target)
+    run_distill(cfg, teacher_data, target=target)
     target = target or load_target(cfg, dist)
     report_path = out / "eval" / "report.json"
     if eval_is_current(cfg, report_path):

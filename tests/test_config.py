@@ -13,7 +13,6 @@ from specdistill.config import (
     ConfigError,
     RootConfig,
     candidate_config,
-    candidate_names,
     dump_yaml,
     field_docs,
     load_config,
@@ -24,15 +23,13 @@ PRESETS = sorted(p for p in CONFIGS.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
-def test_every_preset_loads_and_round_trips(path, tmp_path, capsys):
+def test_every_preset_loads_and_round_trips(path, tmp_path):
     from specdistill.pipeline import check_prompt_roles
 
     cfg = load_config(path)
     assert isinstance(cfg, RootConfig) and cfg.output_dir
-    assert "deprecated" not in capsys.readouterr().err
     check_prompt_roles(cfg)  # its test prompts are disjoint from its training and validation prompts
-    for name in candidate_names(cfg) if cfg.candidates else []:
-        candidate_config(cfg, name)
+    assert list(cfg.candidate_configs) == ([c.name for c in cfg.candidates] or ["draft"])
     resolved = tmp_path / "resolved.yaml"
     resolved.write_text(dump_yaml(cfg))
     assert dump_yaml(load_config(resolved)) == dump_yaml(cfg)
@@ -197,23 +194,23 @@ def test_cli_config_show_and_errors():
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
-def test_deprecated_prompt_keys_and_builtin_eval_still_load_with_one_line_each(tmp_path, capsys):
+def test_the_old_prompt_key_names_and_builtin_eval_fail_like_any_unknown_key_or_split(tmp_path):
+    from specdistill.pipeline import check_prompt_roles
+
+    valid = r"Valid keys of data: prompts, validation_prompts, max_prompts, max_validation_prompts, "
     path = tmp_path / "old.yaml"
-    path.write_text("data: {eval_prompts: builtin:eval, max_eval_prompts: 5}\neval: {prompts: builtin:eval}\n")
-    cfg = load_config(path)
-    assert (cfg.data.validation_prompts, cfg.data.max_validation_prompts) == ("builtin:validation", 5)
-    assert cfg.eval.prompts == "builtin:test"  # the old set's two halves keep their roles, now disjoint
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 4 and all(line.startswith("specdistill: warning: ") for line in err)
-    assert "data.eval_prompts is deprecated; use data.validation_prompts" in err[0]
-    assert "data.max_eval_prompts is deprecated; use data.max_validation_prompts" in err[1]
-    assert "eval_prompts" not in dump_yaml(cfg)
-    # An override under the old name replaces the file's value; the new name replaces the old one in the file.
-    assert load_config(path, ["data.max_eval_prompts=7"]).data.max_validation_prompts == 7
-    assert load_config(path, ["data.validation_prompts=v.jsonl"]).data.validation_prompts == "v.jsonl"
-    path.write_text("data: {eval_prompts: a.jsonl, validation_prompts: b.jsonl}\n")
-    with pytest.raises(ConfigError, match="data.eval_prompts is the deprecated name of data.validation_prompts"):
-        load_config(path)
+    for old in ("eval_prompts", "max_eval_prompts"):  # renamed to validation_prompts, max_validation_prompts
+        path.write_text(f"data: {{{old}: 5}}\n")
+        error = rf"^unknown key data.'{old}'\. Did you mean '\w+'\? {valid}"
+        with pytest.raises(ConfigError, match=error):
+            load_config(path)
+        with pytest.raises(ConfigError, match=error):
+            load_config(None, [f"data.{old}=5"])
+    # builtin:eval was split into builtin:validation and builtin:test: refused by the run's first check.
+    for key in ("data.validation_prompts", "eval.prompts"):
+        cfg = load_config(None, [f"{key}=builtin:eval"])
+        with pytest.raises(ValueError, match=r"^unknown builtin split 'eval'\. Valid: 'builtin', builtin:train, "):
+            check_prompt_roles(cfg)
 
 
 def test_tracking_none_is_shorthand_for_its_backend(tmp_path):

@@ -9,7 +9,7 @@ from helpers import LLAMA_PROMPTS, hf_greedy, tiny_llama
 
 from distill.students import truncate_student
 from specdec_runtime.ab import capture_graphs
-from specdec_runtime.bench import backend_name, fast_model
+from specdec_runtime.backends import BackendOptions, backend_name, fast_model
 from specdec_runtime.cpu import CPU_COMPILED_BACKEND, compile_steps, cpu_model
 from specdec_runtime.engine import generate
 from specdistill.config import load_config
@@ -25,7 +25,8 @@ def graphs() -> int:
 def compiled():
     target = tiny_llama(0, layers=2)
     draft = truncate_student(target, [0])
-    return target, fast_model(target, cpu_compile=True), fast_model(draft, draft=True, cpu_compile=True)
+    compiled = BackendOptions(cpu_compile=True)
+    return target, fast_model(target, compiled), fast_model(draft, compiled, draft=True)
 
 
 def test_compiled_speculative_and_target_only_greedy_match_hf(compiled):
@@ -64,4 +65,6 @@ def test_compile_steps_needs_the_fast_path_and_the_config_says_so():
     assert model.compiled_step is not None and model.cache_shape is None
     with pytest.raises(ValueError, match="target.cpu_fast_path=true or target.cpu_compile=false"):
         load_config(None, ["target.cpu_fast_path=false", "target.cpu_compile=true"])
-    assert load_config(None, ["target.cpu_compile=true"]).target.cpu_compile
+    with pytest.raises(ValueError, match="target.cpu_fast_path=true or target.cpu_compile=false"):
+        BackendOptions(cpu_fast_path=False, cpu_compile=True)
+    assert load_config(None, ["target.cpu_compile=true"]).target.backend == BackendOptions(cpu_compile=True)

@@ -16,7 +16,7 @@ from helpers import (
     tiny_llama,
 )
 
-from specdec_runtime.bench import backend_name, fast_model
+from specdec_runtime.backends import BackendOptions, backend_name, fast_model
 from specdec_runtime.cpu import CPU_BACKEND, cpu_model, draft_dtype
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.kv import make_state
@@ -124,7 +124,7 @@ def test_fast_model_picks_the_cpu_path_unless_switched_off(llamas):
     target, draft = fast_model(hf), fast_model(hf, draft=True)
     assert backend_name(target) == CPU_BACKEND and target.lm_head.weight.dtype == torch.float32
     assert draft.lm_head.weight.dtype == draft_dtype()
-    assert fast_model(hf, cpu_fast_path=False) is hf and backend_name(hf) == "hf-eager"
+    assert fast_model(hf, BackendOptions(cpu_fast_path=False)) is hf and backend_name(hf) == "hf-eager"
 
 
 # ---------------------------------------------------------------------------------------- CPU sampling shortcuts

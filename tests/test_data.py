@@ -10,23 +10,21 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 import torch
 
 import distill.data as data
 from distill.config import DataConfig
 from distill.data import (
-    cache_stats,
-    check_test_prompts,
     fingerprint,
     generate_teacher_data,
     load_teacher_data,
     shards_for_rank,
     topk_from_logits,
-    training_prompts,
-    validation_prompts,
 )
-from distill.prompts import PromptRecord, load_prompts, render_chat
+from distill.prompt_roles import training_prompts, validation_prompts
+from distill.prompts import load_prompts, render_chat
 from specdec_runtime.loading import load_model
 
 TEACHER_ID = "random:tiny-llama"
@@ -256,6 +254,19 @@ def test_topk_from_logits_matches_log_softmax():
     assert torch.equal(ids.long(), full.topk(5, -1).indices)
 
 
+def cache_stats(path: Path) -> dict:
+    """Size of the offline teacher cache at `path`: {"tokens", "bytes_per_token", "top_k"}, the raw payload of both
+    top-k columns counted from the Arrow buffers, independently of the summary the data stage prints."""
+    table = load_teacher_data(path).data
+    tokens = pc.sum(pc.list_value_length(table.column("topk_ids"))).as_py() or 0
+    payload = 0
+    for name in ("topk_ids", "topk_logprobs"):
+        values = pc.list_flatten(pc.list_flatten(table.column(name)))
+        payload += len(values) * values.type.byte_width
+    top_k = table.schema.field("topk_ids").type.value_type.list_size
+    return {"tokens": tokens, "bytes_per_token": payload / max(tokens, 1), "top_k": top_k}
+
+
 def test_teacher_cache_holds_the_teachers_top_k(tiny, tmp_path, capsys):
     teacher, _ = tiny
     cfg = make_cfg(tmp_path, n_train=6, teacher_cache=True, teacher_cache_top_k=32)
@@ -413,64 +424,6 @@ def test_training_on_the_validation_prompts_only_is_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match="every training prompt is also a validation prompt"):
         run(tiny, dataclasses.replace(cfg, prompts=cfg.validation_prompts), tmp_path / "data")
     assert not (tmp_path / "data").exists()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Prompt roles: test prompts never overlap the training or validation prompts
-
-
-def respelled(record: PromptRecord, new_id: str) -> PromptRecord:
-    """The same prompt under another id, in other case and spacing."""
-    text = record.messages[-1]["content"]
-    return PromptRecord(id=new_id, messages=[{"role": "user", "content": f"  {text.upper()}  "}])
-
-
-def test_test_prompts_seen_in_training_or_validation_are_refused_with_the_counts(tmp_path):
-    cfg = make_cfg(tmp_path, n_train=6, n_eval=3)
-    train, validation = load_prompts(cfg.prompts), load_prompts(cfg.validation_prompts)
-    unseen = [PromptRecord(id="u", messages=[{"role": "user", "content": "A prompt nobody has seen"}])]
-    check_test_prompts(cfg, unseen, "unseen.jsonl")
-    test = unseen + [respelled(train[0], "x0"), respelled(train[1], "x1"), respelled(validation[2], "x2")]
-    with pytest.raises(
-        ValueError,
-        match=r"4 test prompts \(eval.prompts=mine.jsonl\) share 2 with the training prompts \(data.prompts=.*\) "
-        r"and 1 with the validation prompts \(data.validation_prompts=.*\); .*builtin:test",
-    ):
-        check_test_prompts(cfg, test, "mine.jsonl")
-    # Only the prompts each role uses count: training prompts past data.max_prompts are never answered, ...
-    check_test_prompts(dataclasses.replace(cfg, max_prompts=2), [respelled(train[3], "x3")], "t")
-    # ... nor validation prompts past data.max_validation_prompts.
-    check_test_prompts(dataclasses.replace(cfg, max_validation_prompts=2), [respelled(validation[2], "x2")], "t")
-    with pytest.raises(ValueError, match="share 1 with the validation prompts"):
-        check_test_prompts(dataclasses.replace(cfg, max_validation_prompts=3), [respelled(validation[2], "x2")], "t")
-
-
-def test_test_prompts_are_checked_against_every_source_of_a_list(tmp_path):
-    cfg = make_cfg(tmp_path, n_train=4)
-    listed = dataclasses.replace(cfg, prompts=[cfg.prompts, "self_instruct", "builtin:long-input"])
-    check_test_prompts(listed, load_prompts("builtin:test"), "builtin:test")  # builtin:long-input is training-only
-    long_input = load_prompts("builtin:long-input")
-    test = [
-        respelled(load_prompts(cfg.prompts)[0], "x0"),
-        respelled(long_input[0], "x1"),
-        respelled(long_input[1], "x2"),
-    ]
-    with pytest.raises(
-        ValueError,
-        match=r"3 test prompts \(eval.prompts=t\) share 1 with the training prompts \(data.prompts\[0\]=.*train.jsonl\)"
-        r" and 2 with the training prompts \(data.prompts\[2\]=builtin:long-input\);",
-    ):
-        check_test_prompts(listed, test, "t")
-    check_test_prompts(dataclasses.replace(listed, max_prompts=4), test[1:], "t")  # past max_prompts: never answered
-
-
-def test_builtin_roles_pass_the_check_and_validation_as_test_is_refused():
-    cfg = DataConfig()
-    check_test_prompts(cfg, load_prompts("builtin:test"), "builtin:test")
-    with pytest.raises(ValueError, match="16 test prompts .* share 16 with the validation prompts"):
-        check_test_prompts(cfg, load_prompts("builtin:validation"), "builtin:validation")
-    with pytest.raises(ValueError, match="share 5 with the training prompts"):
-        check_test_prompts(cfg, load_prompts("builtin:train")[:5], "builtin:train")
 
 
 def test_the_top_k_cache_is_scored_a_few_rows_at_a_time_with_the_same_arrays(monkeypatch):

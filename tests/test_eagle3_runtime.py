@@ -17,7 +17,8 @@ from helpers import LLAMA_PROMPTS, assert_same_up_to_ties, chi_square_pvalue, gp
 import specdec_runtime.eagle3_state as eagle3_state
 import specdec_runtime.engine as engine
 import specdec_runtime.tree_step as tree_step
-from specdec_runtime.bench import fast_model, format_bench_table, run_bench
+from specdec_runtime.backends import fast_model
+from specdec_runtime.bench import format_bench_table, run_bench
 from specdec_runtime.cpu import FusedLinear, compile_steps, cpu_eagle3, cpu_model, draft_dtype
 from specdec_runtime.eagle3 import (
     Eagle3Cache,
@@ -278,7 +279,7 @@ def test_the_cpu_fast_head_computes_what_the_head_computes(pair):
             logits, pre = fast(hidden, embeds.to(dtype), positions)
             torch.testing.assert_close(logits.float(), want_logits, atol=tol, rtol=tol)
             torch.testing.assert_close(pre.float(), want_pre, atol=tol, rtol=tol)
-    assert any(isinstance(m, torch.nn.Linear) for m in draft.modules()) and not getattr(draft, "cpu_fast", False)
+    assert any(isinstance(m, torch.nn.Linear) for m in draft.modules()) and not draft.cpu_fast
 
 
 # ---------------------------------------------------------------------------------------- distribution at T > 0

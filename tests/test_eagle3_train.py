@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 from helpers import (
+    ADAM_OUTLIERS,
     PAUSE_AFTER_CHECKPOINT,
     TESTS,
     accelerate_launcher,
@@ -217,7 +218,7 @@ def assert_like_straight(cand, single) -> None:
     """The same logged steps, validation metrics and final weights as the one-process run."""
     assert '"world_size": 2' in (cand / "checkpoints" / "step-000003" / "trainer_state.json").read_text()
     assert_same_logs(metric_rows(cand), metric_rows(single))
-    assert_same_weights(final_weights(cand, 3), final_weights(single, 3))
+    assert_same_weights(final_weights(cand, 3), final_weights(single, 3), outliers=ADAM_OUTLIERS)
 
 
 def assert_bf16_resumes_exactly(straight_bf16, resumed, single, dtype: torch.dtype) -> None:

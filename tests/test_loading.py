@@ -152,5 +152,10 @@ def test_vocab_check_special_tokens():
 
 
 def test_vocab_check_only_ids_the_draft_can_emit():
-    """A draft with a reduced head (first n ids) is compatible if those n ids agree."""
-    check_vocab_compatible(word_tokenizer(["a", "b", "c"]), word_tokenizer(["a", "b", "z"]), draft_vocab_size=5)
+    """A draft with a reduced head (first n ids) is compatible if those n ids agree: ids 0-4 are <unk> <s> </s> a b
+    in both, id 5 is 'c' for the target and 'z' for the draft."""
+    target, draft = word_tokenizer(["a", "b", "c"]), word_tokenizer(["a", "b", "z"])
+    assert check_vocab_compatible(target, draft, draft_vocab_size=5) is None  # the head cannot emit id 5
+    for size in (6, None):  # a head that can emit id 5, or the whole tokenizer
+        with pytest.raises(VocabMismatchError, match=r"differ at id 5: target 'c' vs draft 'z'"):
+            check_vocab_compatible(target, draft, draft_vocab_size=size)

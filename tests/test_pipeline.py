@@ -12,6 +12,7 @@ import html.parser
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -174,14 +175,19 @@ def test_serving_config_and_export(smoke_run):
     assert torch.equal(draft(ids).logits, source(ids).logits)
 
 
-def test_rerun_is_a_no_op_and_promote_keeps_history(smoke_run, env):
-    out = smoke_run[0]
-    report = out / "eval" / "report.json"
+def test_rerun_is_a_no_op_and_promote_keeps_history(smoke_run, env, tmp_path):
+    out = tmp_path / "run"  # a copy: the module's run stays as its other tests expect it (history of 1)
+    shutil.copytree(smoke_run[0], out)  # copy2 + copystat: the mtimes that tell a current report are kept
+    report, serving = out / "eval" / "report.json", out / "serving.yaml"
     again = cli("run", ROOT / "configs" / "smoke.yaml", f"output_dir={out}", env=env, cwd=ROOT)
     assert "eval: up to date" in again.stdout
+    assert "already distilled" in again.stdout and "cached" in again.stdout + again.stderr
+    assert len(yaml.safe_load(serving.read_text())["history"]) == 2, "run promoted once more"
+    before = serving.read_text()
     dry = cli_here("promote", report, "--dry-run", env=env, cwd=ROOT)
-    assert dry.stdout.startswith("---") or dry.stdout.strip() == "" or "+++" in dry.stdout
-    assert len(yaml.safe_load((out / "serving.yaml").read_text())["history"]) == 2, "run promoted once more"
+    assert dry.stdout.startswith(f"--- {serving} (current)") and f"+++ {serving} (promoted)" in dry.stdout
+    assert any(line.startswith("+") and "promoted_at" in line for line in dry.stdout.splitlines()), dry.stdout
+    assert serving.read_text() == before, "a dry run writes nothing"
 
 
 # --- bad input -------------------------------------------------------------------------------------------------------

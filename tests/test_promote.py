@@ -31,7 +31,7 @@ def write_report(
     max_concurrency: int = 16,
     measured_concurrency: tuple[int, ...] = (1, 4, 16),
 ) -> Path:
-    """A report.json (contract of eval/sweep.py) recommending `name` with `gamma`, its draft folder created."""
+    """A report.json (contract of eval/results.py) recommending `name` with `gamma`, its draft folder created."""
     draft = folder / "candidates" / name / "best"
     draft.mkdir(parents=True, exist_ok=True)
     (draft / "config.json").write_text(json.dumps({"vocab_size": 259}))

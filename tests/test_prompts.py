@@ -1,4 +1,4 @@
-"""Prompt sources: every file format, datasets folders, the builtin set and its splits, bad inputs, self-instruct."""
+"""Prompt sources: every file format, datasets folders, the builtin set and its splits, bad inputs, chat template."""
 
 import csv
 import hashlib
@@ -10,22 +10,19 @@ from collections import Counter
 
 import pytest
 
+from distill.prompt_roles import overlap_count, prompt_key
 from distill.prompts import (
     ACCEPTED_FIELDS,
     BUILTIN_SPLITS,
     SELF_INSTRUCT,
     PromptRecord,
-    clean_generated_prompt,
     concat_sources,
     interleave_categories,
     load_prompts,
     load_sources,
-    overlap_count,
-    prompt_key,
     render_chat,
     save_prompts,
-    self_instruct_prompts,
-    split_prompts,
+    stratified_split,
 )
 
 
@@ -285,12 +282,13 @@ def test_builtin_test_prompts_pair_categories_so_both_sweep_halves_span_them():
     assert len(set(validation[:12])) == 7 and len(set(validation)) == 10  # quickstart validates on the first 12
 
 
-def test_builtin_eval_names_the_splits_that_replaced_it():
-    for source, split in (("builtin:eval", None), ("builtin", "eval")):
-        with pytest.raises(ValueError, match="builtin:eval was split into builtin:validation .* and builtin:test"):
-            load_prompts(source, split=split)
-    with pytest.raises(ValueError, match="unknown builtin split 'tset'.* or builtin:long-input"):
+def test_an_unknown_builtin_split_names_the_closest_and_every_valid_one():
+    valid = r"Valid: 'builtin', builtin:train, builtin:validation, builtin:test, builtin:long-input$"
+    with pytest.raises(ValueError, match=r"^unknown builtin split 'tset'\. Did you mean 'builtin:test'\? " + valid):
         load_prompts("builtin:tset")
+    for source, split in (("builtin:eval", None), ("builtin", "eval")):  # the old name of validation + test: gone
+        with pytest.raises(ValueError, match=r"^unknown builtin split 'eval'\. " + valid):
+            load_prompts(source, split=split)
 
 
 def test_interleave_categories_round_robin_in_runs():
@@ -301,13 +299,6 @@ def test_interleave_categories_round_robin_in_runs():
     assert [r.id for r in interleave_categories(records)] == ["a0", "b0", "c0", "a1", "c1", "a2", "c2", "c3"]
     assert [r.id for r in interleave_categories(records, 2)] == ["a0", "a1", "b0", "c0", "c1", "a2", "c2", "c3"]
     assert sorted(interleave_categories(records, 2), key=lambda r: r.id) == sorted(records, key=lambda r: r.id)
-
-
-def test_overlap_count_ignores_ids_case_and_spacing():
-    records = [PromptRecord(id="x", messages=user("What is  a  Cat?")), PromptRecord(id="y", messages=user("Other"))]
-    others = [PromptRecord(id="z", messages=user(" what is a cat? "))]
-    assert overlap_count(records, others) == 1 and overlap_count(others, records) == 1
-    assert overlap_count(records, [PromptRecord(id="x", messages=user("What is a dog?"))]) == 0  # same id, new text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,7 +333,7 @@ def test_sources_refuse_an_id_in_two_of_them_and_name_a_bad_one(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# split_prompts
+# stratified_split (the builtin set's splits)
 
 
 def make_records(n, categories=("a", "b", "c"), prefix="r"):
@@ -354,38 +345,38 @@ def make_records(n, categories=("a", "b", "c"), prefix="r"):
 
 def test_split_is_stratified_and_ignores_input_order():
     records = make_records(300)
-    train, eval_ = split_prompts(records, eval_fraction=0.2, seed=3)
-    assert len(eval_) == 60 and len(train) == 240
-    assert Counter(r.category for r in eval_) == {"a": 20, "b": 20, "c": 20}
+    rest, split_off = stratified_split(records, fraction=0.2, seed=3)
+    assert len(split_off) == 60 and len(rest) == 240
+    assert Counter(r.category for r in split_off) == {"a": 20, "b": 20, "c": 20}
     shuffled = records[:]
     random.Random(0).shuffle(shuffled)
-    assert {r.id for r in split_prompts(shuffled, 0.2, seed=3)[1]} == {r.id for r in eval_}
-    assert {r.id for r in split_prompts(records, 0.2, seed=4)[1]} != {r.id for r in eval_}
-    assert [r.id for r in eval_] == sorted((r.id for r in eval_), key=lambda i: int(i[1:]))  # input order kept
+    assert {r.id for r in stratified_split(shuffled, 0.2, seed=3)[1]} == {r.id for r in split_off}
+    assert {r.id for r in stratified_split(records, 0.2, seed=4)[1]} != {r.id for r in split_off}
+    assert [r.id for r in split_off] == sorted((r.id for r in split_off), key=lambda i: int(i[1:]))  # order kept
 
 
 def test_adding_prompts_moves_only_boundary_records():
     old = make_records(300)
-    old_eval = {r.id for r in split_prompts(old, 0.1, seed=0)[1]}
+    old_split_off = {r.id for r in stratified_split(old, 0.1, seed=0)[1]}
     # a new category leaves every existing assignment alone
-    assert {r.id for r in split_prompts(old + make_records(40, ("d",), "n"), 0.1, seed=0)[1]} >= old_eval
+    assert {r.id for r in stratified_split(old + make_records(40, ("d",), "n"), 0.1, seed=0)[1]} >= old_split_off
     # growing a category moves at most its boundary records (a reshuffle would move ~54 of the 300)
-    new_eval = {r.id for r in split_prompts(old + make_records(40, ("a",), "n"), 0.1, seed=0)[1]}
-    moved = {r.id for r in old} & (old_eval ^ new_eval)
+    new_split_off = {r.id for r in stratified_split(old + make_records(40, ("a",), "n"), 0.1, seed=0)[1]}
+    moved = {r.id for r in old} & (old_split_off ^ new_split_off)
     assert len(moved) <= 4 and {r.category for r in old if r.id in moved} <= {"a"}
 
 
 def test_split_edge_cases():
-    assert split_prompts(make_records(1), 0.5) == (make_records(1), [])
-    # categories too small for an eval record are pooled: 30 singletons still give ~10% eval
-    train, eval_ = split_prompts(make_records(30, categories=[str(i) for i in range(30)]), 0.1)
-    assert len(eval_) == 3 and len(train) == 27
-    train, eval_ = split_prompts(make_records(5, categories=("a", "b", "c", "d", "e")), 0.1)
-    assert len(eval_) == 1 and len(train) == 4
-    assert [len(part) for part in split_prompts(make_records(2, categories=("a",)), 0.9)] == [1, 1]  # train kept
-    assert split_prompts(make_records(10), 0.0)[1] == []
-    with pytest.raises(ValueError, match="eval_fraction"):
-        split_prompts(make_records(10), 1.0)
+    assert stratified_split(make_records(1), 0.5) == (make_records(1), [])
+    # categories too small for one split-off record are pooled: 30 singletons still split ~10% off
+    rest, split_off = stratified_split(make_records(30, categories=[str(i) for i in range(30)]), 0.1)
+    assert len(split_off) == 3 and len(rest) == 27
+    rest, split_off = stratified_split(make_records(5, categories=("a", "b", "c", "d", "e")), 0.1)
+    assert len(split_off) == 1 and len(rest) == 4
+    assert [len(part) for part in stratified_split(make_records(2, categories=("a",)), 0.9)] == [1, 1]  # rest kept
+    assert stratified_split(make_records(10), 0.0)[1] == []
+    with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\)"):
+        stratified_split(make_records(10), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -453,107 +444,6 @@ def test_hub_id_without_network_fails_with_one_line(monkeypatch):
         "file or folder (JSONL/JSON/CSV/parquet/datasets folder) or 'builtin'"
     )
     assert e.value.__cause__ is None and (e.value.__context__ is None or e.value.__suppress_context__)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# self-instruct
-
-
-def test_clean_generated_prompt():
-    reply = 'Sure! Here is a question:\n\n**Question:** "How do plants make food?"\n\nAnswer: by photosynthesis.'
-    assert clean_generated_prompt(reply) == "How do plants make food?"
-    assert clean_generated_prompt("1. Task - Write a haiku about rain.") == "Write a haiku about rain."
-    assert (
-        clean_generated_prompt("User-friendly apps: what makes them good?")
-        == "User-friendly apps: what makes them good?"
-    )
-    assert clean_generated_prompt("Q: Why is the sea salty?\nA: Salt from rocks.") == "Why is the sea salty?"
-    assert clean_generated_prompt("Hi?") is None and clean_generated_prompt("  ") is None
-    assert clean_generated_prompt("x" * 401) is None
-
-
-def test_self_instruct_dedups_and_cleans():
-    # The one place a fake generator is fine: the real teacher is plugged in by the data stage.
-    script = iter(
-        [
-            "Question: How do I sort a list in Python?",
-            "how do I sort a  LIST in python",  # exact duplicate after normalisation
-            "How do I sort a list in Python quickly?",  # near duplicate: Jaccard 8/9 >= 0.8
-            "",  # empty
-            "Ok",  # too short
-            '"What is the capital of Peru?"',
-            "Sure, here you go: Write a haiku about autumn leaves.",
-            "What is the capital city of Peru?",  # Jaccard 6/7 >= 0.8
-            "Explain photosynthesis in two sentences.",
-            "Name three healthy breakfast ideas.",
-        ]
-        + [f"Spare question number {i} about nothing?" for i in range(20)]
-    )
-    batches = []
-
-    def generate_fn(requests):
-        batches.append(requests)
-        return [next(script) for _ in requests]
-
-    records = self_instruct_prompts(generate_fn, n=5, seed=0, batch_size=4)
-    assert [r.messages[0]["content"] for r in records] == [
-        "How do I sort a list in Python?",
-        "What is the capital of Peru?",
-        "Write a haiku about autumn leaves.",
-        "Explain photosynthesis in two sentences.",
-        "Name three healthy breakfast ideas.",
-    ]
-    assert len({r.id for r in records}) == 5 and all(r.messages[0]["role"] == "user" for r in records)
-    assert [len(b) for b in batches] == [4, 4, 4]
-    request = batches[0][0]
-    assert len(request) == 1 and request[0]["role"] == "user"
-    assert re.fullmatch(
-        r"Write one new, specific question or task .+ about .+\. Reply with the question only\.", request[0]["content"]
-    )
-    assert all(
-        r.category
-        in {
-            "writing",
-            "coding",
-            "math",
-            "reasoning",
-            "qa",
-            "summarization",
-            "translation",
-            "extraction",
-            "roleplay",
-            "general",
-        }
-        for r in records
-    )
-
-
-def test_self_instruct_stops_after_max_attempts():
-    calls = []
-
-    def generate_fn(requests):
-        calls.append(len(requests))
-        return ["What is the same question every time?"] * len(requests)
-
-    with pytest.warns(UserWarning, match="1 unique prompts of 10 requested after 40 teacher requests"):
-        records = self_instruct_prompts(generate_fn, n=10, batch_size=16)
-    assert len(records) == 1 and sum(calls) == 40 and calls == [16, 16, 8]
-
-
-def test_self_instruct_requests_are_deterministic_in_seed():
-    def draw(seed):
-        seen = []
-
-        def generate_fn(requests):
-            seen.extend(r[0]["content"] for r in requests)
-            return [f"Unique question number {len(seen) + i}?" for i in range(len(requests))]
-
-        records = self_instruct_prompts(generate_fn, n=8, seed=seed, batch_size=8)
-        return seen, [r.category for r in records]
-
-    assert draw(1) == draw(1)
-    assert draw(1)[0] != draw(2)[0]
-    assert len(set(draw(1)[0])) > 1  # topics and angles vary across one batch
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -34,11 +34,11 @@ from eval.report import (
     plot_tree_vs_chain,
     read_metrics,
     render_markdown,
-    write_json_atomic,
     write_reports,
 )
-from eval.sweep import Bench, EvalPrompt, Setting, _setting, group_requests, length_bucket, length_keys, measure
-from specdec_runtime.bench import fast_model
+from eval.results import _setting, group_requests, length_bucket, length_keys, write_json_atomic
+from eval.sweep import Bench, EvalPrompt, Setting, measure
+from specdec_runtime.backends import fast_model
 from specdec_runtime.metrics import RequestStats
 from specdec_runtime.tree import parse_tree, tree_size
 

@@ -430,7 +430,7 @@ def test_run_bench_reports_the_tree_next_to_the_chain(llamas):
 def test_eval_sweep_has_tree_settings(tmp_path):
     from eval.config import EvalConfig, ServingConfig
     from eval.recommend import recommend
-    from eval.sweep import Candidate, EvalPrompt, evaluate
+    from eval.sweep import Candidate, EvalPrompt, run_sweep
     from specdec_runtime.loading import load_model
     from specdec_runtime.tiny import build_tiny_model
 
@@ -445,7 +445,7 @@ def test_eval_sweep_has_tree_settings(tmp_path):
         max_new_tokens=6,
         warmup=0,
     )
-    report = evaluate(
+    report = run_sweep(
         target,
         tokenizer,
         [Candidate(name="self", path=folder)],

@@ -2,7 +2,6 @@
 
 import ast
 import dataclasses
-import functools
 import inspect
 
 import pytest
@@ -20,10 +19,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import distill.students
 from distill.students import (
     DraftConfig,
     build_student,
-    check_same_vocab,
     describe_student,
     evenly_spaced_layers,
     flops_per_token,
@@ -216,46 +215,50 @@ def test_config_student_rejects_indivisible_heads():
 # pretrained
 
 
-def _loader(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast):
-    calls = []
-
-    def load_model(spec: str):
-        calls.append(spec)
-        return model, tokenizer
-
-    return load_model, calls
+def _save(folder, model: PreTrainedModel, words: list[str]) -> str:
+    """A local model folder (safetensors weights + tokenizer) that `load_model` reads like any HF folder."""
+    model.save_pretrained(folder)
+    _tokenizer(words).save_pretrained(folder)
+    return str(folder)
 
 
-def test_pretrained_with_mismatched_vocab_is_refused_naming_tokens():
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_pretrained_with_mismatched_vocab_is_refused_naming_tokens(tmp_path):
     words = [f"w{i}" for i in range(VOCAB)]
     other = list(words)
     other[5], other[9] = "x5", "x9"
-    teacher_tok, student_tok = _tokenizer(words), _tokenizer(other)
-    load_model, calls = _loader(_teacher(num_layers=1, seed=1), student_tok)
-    cfg = DraftConfig(init="pretrained", pretrained="tiny/other")
-    with pytest.raises(ValueError, match=r"2 ids differ.*id 5: teacher 'w5', student 'x5'; id 9: teacher 'w9'"):
-        build_student(_teacher(), cfg, load_model=load_model, teacher_tokenizer=teacher_tok)
-    assert calls == ["tiny/other"]
-    with pytest.raises(ValueError, match="id 5"):  # the same check through a checker callable
-        build_student(
-            _teacher(), cfg, load_model=load_model, check_vocab=functools.partial(check_same_vocab, teacher_tok)
-        )
-    with pytest.raises(ValueError, match="check_vocab or teacher_tokenizer"):
-        build_student(_teacher(), cfg, load_model=load_model)
+    teacher_tok = _tokenizer(words)
+    cfg = DraftConfig(init="pretrained", pretrained=_save(tmp_path / "other", _teacher(num_layers=1, seed=1), other))
+    with pytest.raises(
+        ValueError, match=r"differ at id 5: target 'w5' vs draft 'x5'; id 9: target 'w9' vs draft 'x9' \(2 differing"
+    ):
+        build_student(_teacher(), cfg, teacher_tokenizer=teacher_tok)
+    # The whole vocabulary counts: a student whose tokenizer lacks the teacher's last token is refused too.
+    cfg = DraftConfig(init="pretrained", pretrained=_save(tmp_path / "fewer", _teacher(num_layers=1), words[:-1]))
+    with pytest.raises(ValueError, match=rf"differ at id {VOCAB - 1}: target 'w{VOCAB - 1}' vs draft None"):
+        build_student(_teacher(), cfg, teacher_tokenizer=teacher_tok)
+    with pytest.raises(ValueError, match="needs the teacher's tokenizer"):
+        build_student(_teacher(), cfg)
 
 
-def test_pretrained_with_same_vocab_is_loaded_and_padded_rows_aligned():
+def test_pretrained_with_same_vocab_is_loaded_and_padded_rows_aligned(tmp_path, monkeypatch):
     words = [f"w{i}" for i in range(VOCAB)]
     draft = _teacher(num_layers=2, vocab_size=VOCAB + 8, seed=1)  # padded embedding rows, same tokenizer
-    load_model, _ = _loader(draft, _tokenizer(words))
     teacher = _teacher()
-    cfg = DraftConfig(init="pretrained", pretrained="tiny/draft")
-    student = build_student(teacher, cfg, load_model=load_model, teacher_tokenizer=_tokenizer(words))
-    assert student is draft and student.config.vocab_size == VOCAB
+    cfg = DraftConfig(init="pretrained", pretrained=_save(tmp_path / "draft", draft, words))
+    student = build_student(teacher, cfg, teacher_tokenizer=_tokenizer(words))
+    assert student.config.vocab_size == VOCAB and student.config.num_hidden_layers == 2
+    assert _same_weights(student.model.layers, draft.model.layers)  # the saved draft's weights, not the teacher's
+    assert torch.equal(student.model.embed_tokens.weight, draft.model.embed_tokens.weight[:VOCAB])
     assert student(_ids()).logits.shape == (2, 9, VOCAB)
-    teacher_loader, _ = _loader(teacher, _tokenizer(words))  # a loader handing back the teacher itself
+    # A loader handing back the teacher itself (e.g. from a cache) would train the teacher along: refused.
+    monkeypatch.setattr(distill.students, "load_model", lambda spec, **options: (teacher, _tokenizer(words)))
     with pytest.raises(RuntimeError, match="shares tensors"):
-        build_student(teacher, cfg, load_model=teacher_loader, teacher_tokenizer=_tokenizer(words))
+        build_student(teacher, cfg, teacher_tokenizer=_tokenizer(words))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -291,14 +294,16 @@ def test_lora_trains_only_adapters_and_merges_exactly():
     assert merge_student(teacher) is teacher
 
 
-def test_lora_on_a_pretrained_student_wraps_the_loaded_model():
+def test_lora_on_a_pretrained_student_wraps_the_loaded_model(tmp_path):
     words = [f"w{i}" for i in range(VOCAB)]
     draft = _teacher(num_layers=2, seed=1)
-    load_model, calls = _loader(draft, _tokenizer(words))
-    cfg = DraftConfig(init="pretrained", pretrained="tiny/draft", lora=True, lora_r=2, lora_target_modules=["v_proj"])
-    student = build_student(_teacher(), cfg, load_model=load_model, teacher_tokenizer=_tokenizer(words))
-    assert calls == ["tiny/draft"] and isinstance(student, PeftModel)
-    assert student.get_base_model() is draft  # the pretrained model itself, not a truncated teacher
+    spec = _save(tmp_path / "draft", draft, words)
+    cfg = DraftConfig(init="pretrained", pretrained=spec, lora=True, lora_r=2, lora_target_modules=["v_proj"])
+    student = build_student(_teacher(), cfg, teacher_tokenizer=_tokenizer(words))
+    assert isinstance(student, PeftModel)
+    with student.disable_adapter():  # the pretrained model itself under the adapters, not a truncated teacher
+        ids = _ids()
+        torch.testing.assert_close(student(ids).logits, draft(ids).logits, rtol=0, atol=0)
     trainable = [n for n, p in student.named_parameters() if p.requires_grad]
     assert len(trainable) == 2 * 2 and all("lora_" in n for n in trainable)  # 2 layers x v_proj x (A, B)
     assert merge_student(student).config.num_hidden_layers == 2

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    ADAM_OUTLIERS,
     TESTS,
     assert_same_logs,
     assert_same_weights,
@@ -100,7 +101,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(one_process)
     state = (ddp / "checkpoints" / "step-000003" / "trainer_state.json").read_text()
     assert '"world_size": 2' in state
     assert_same_logs(metric_rows(ddp), metric_rows(single))
-    assert_same_weights(final_weights(ddp, 3), final_weights(single, 3))
+    assert_same_weights(final_weights(ddp, 3), final_weights(single, 3), outliers=ADAM_OUTLIERS)
 
 
 @pytest.mark.slow
@@ -117,7 +118,7 @@ def test_a_teacher_sharded_over_two_processes_trains_like_a_full_one(one_process
     # Validation metrics come from the sharded teacher's logits: equal logs mean equal teacher outputs.
     sharded = root / "sharded" / "candidates" / "draft"
     assert_same_logs(metric_rows(sharded), metric_rows(single))
-    assert_same_weights(final_weights(sharded, 3), final_weights(single, 3))
+    assert_same_weights(final_weights(sharded, 3), final_weights(single, 3), outliers=ADAM_OUTLIERS)
 
 
 @pytest.mark.slow
@@ -135,7 +136,7 @@ def test_deepspeed_zero2_config_trains_and_resumes_like_one_process(one_process)
     assert sorted(p.name for p in step.glob("optimizer*")) == ["optimizer-zero-rank000.pt", "optimizer-zero-rank001.pt"]
     assert '"world_size": 2' in (step / "trainer_state.json").read_text()
     assert_same_logs(metric_rows(zero2), metric_rows(single))
-    assert_same_weights(final_weights(zero2, 3), final_weights(single, 3))
+    assert_same_weights(final_weights(zero2, 3), final_weights(single, 3), outliers=ADAM_OUTLIERS)
 
     # Rank 1's partition of the only checkpoint is unreadable: rank 0 would resume, rank 1 start over. Refused.
     (step / "optimizer-zero-rank001.pt").write_bytes(b"garbage")
@@ -214,7 +215,7 @@ def test_on_policy_generation_with_a_sharded_student_keeps_processes_in_step(tmp
         sys.path.insert(0, {str(TESTS)!r})
         from helpers import tiny_llama
         from distill.config import DataConfig
-        from distill.data import on_policy_rows
+        from distill.batches import on_policy_rows
 
         dist.init_process_group("gloo")
         rank = dist.get_rank()

@@ -12,7 +12,6 @@ from specdec_runtime.tree import (
     dynamic_tree_expand,
     dynamic_tree_select,
     dynamic_tree_start,
-    path_node_mask,
     sibling_rank,
     static_tree,
     tree_attention_mask,
@@ -136,6 +135,12 @@ def test_greedy_verification_hand_made_cases():
     # Temperature 0 through the sampling verifier (one-hot p and proposals) takes the same decisions.
     path_s, nxt_s = verify_tree_sample(tree, tokens, logits.softmax(-1).round(), None, "top_k", None)
     assert torch.equal(path_s, path) and torch.equal(nxt_s, nxt)
+
+
+def path_node_mask(path: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Accepted path (B, D) -> (B, N) bool over tree nodes: the column mask a hole-tolerant cache keeps."""
+    hit = torch.zeros(path.shape[0], num_nodes + 1, dtype=torch.bool, device=path.device)
+    return hit.scatter(1, path + 1, True)[:, 1:]  # -1 padding lands in the dropped column 0
 
 
 def test_accepted_path_indices_and_node_mask():

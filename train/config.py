@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 if TYPE_CHECKING:  # annotations only: the CLI imports this module for its schema and stays fast
     from distill.config import DataConfig, DistillConfig
     from distill.students import DraftConfig
+    from specdec_runtime.backends import TargetConfig
 
 
 @dataclass
@@ -99,8 +100,8 @@ class CandidateRun:
     """The W&B run name."""
     seed: int
     """Global seed; each process adds its rank."""
-    target: Any
-    """The target section (model, dtype, device, trust_remote_code, allow_pickle)."""
+    target: TargetConfig
+    """The target section (model, dtype, device, trust_remote_code, allow_pickle, the decoding backend)."""
     draft: DraftConfig
     data: DataConfig
     distill: DistillConfig

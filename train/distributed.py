@@ -107,7 +107,7 @@ def global_norm(norm: Tensor | float) -> float:
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
-def prepare(accelerator: Accelerator, student: nn.Module, optimizer, tc: TrainConfig) -> tuple:
+def prepare(accelerator: Accelerator, student: nn.Module, optimizer, train_cfg: TrainConfig) -> tuple:
     """accelerator.prepare(student, optimizer), then `check_grad_accum` (DeepSpeed's config may replace it here).
 
     FSDP2's CPU-RAM-efficient loading (fsdp.yaml) moves the student to the meta device and broadcasts rank 0's state
@@ -119,7 +119,7 @@ def prepare(accelerator: Accelerator, student: nn.Module, optimizer, tc: TrainCo
     if plugin is not None and set(student.state_dict()) - params:
         plugin.cpu_ram_efficient_loading = False
     prepared = accelerator.prepare(student, optimizer)
-    check_grad_accum(accelerator, tc)
+    check_grad_accum(accelerator, train_cfg)
     return prepared
 
 
@@ -257,18 +257,18 @@ def check_deepspeed_device(target_device: str) -> None:
         )
 
 
-def check_grad_accum(accelerator: Accelerator, tc: TrainConfig) -> None:
+def check_grad_accum(accelerator: Accelerator, train_cfg: TrainConfig) -> None:
     """train.grad_accum is the accumulation the loss is scaled for; accelerate lets a launcher config (the
     ACCELERATE_GRADIENT_ACCUMULATION_STEPS variable, or DeepSpeed's gradient_accumulation_steps) replace it."""
-    if accelerator.gradient_accumulation_steps != tc.grad_accum:
+    if accelerator.gradient_accumulation_steps != train_cfg.grad_accum:
         raise ValueError(
             f"the launcher config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps} but "
-            f"train.grad_accum={tc.grad_accum}: remove gradient_accumulation_steps from the accelerate / DeepSpeed "
-            "config file (train.grad_accum sets it)"
+            f"train.grad_accum={train_cfg.grad_accum}: remove gradient_accumulation_steps from the accelerate / "
+            "DeepSpeed config file (train.grad_accum sets it)"
         )
 
 
-def configure_deepspeed(plugin, tc: TrainConfig) -> None:
+def configure_deepspeed(plugin, train_cfg: TrainConfig) -> None:
     """Fill the DeepSpeed config from train.* before `prepare`.
 
     The loop passes no DataLoader to `prepare`, so the micro-batch size is set here. DeepSpeed clips inside its own
@@ -281,8 +281,8 @@ def configure_deepspeed(plugin, tc: TrainConfig) -> None:
             "DeepSpeed ZeRO-3 is not supported by `specdistill distill`: use zero_stage 1 or 2 "
             "(configs/accelerate/deepspeed_zero2.yaml), or configs/accelerate/fsdp.yaml to shard the student"
         )
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
-    plugin.deepspeed_config["gradient_clipping"] = tc.max_grad_norm
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = train_cfg.batch_size
+    plugin.deepspeed_config["gradient_clipping"] = train_cfg.max_grad_norm
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -46,9 +46,8 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
-from distill.data import (
+from distill.batches import (
     IGNORE,
-    TeacherData,
     collate,
     epoch_order,
     fetch_rows,
@@ -56,6 +55,7 @@ from distill.data import (
     micro_batch_indices,
     on_policy_rows,
 )
+from distill.data import TeacherData
 from distill.eagle3 import VOCAB_FILE, Eagle3Training, collate_eagle3
 from distill.objectives import batch_inputs, distill_loss, teacher_targets
 from distill.students import (
@@ -66,11 +66,10 @@ from distill.students import (
     student_hidden,
 )
 from specdec_runtime.atomic import write_text
-from specdec_runtime.loading import LORA_BASE, check_vocab_compatible, load_model, stop_token_ids
-from train import checkpoint, distributed
+from specdec_runtime.loading import LORA_BASE, load_model, stop_token_ids
+from train import checkpoint, distributed, validation
 from train.config import CandidateRun as CandidateRun  # the recipe's input, named where it is used
 from train.tracking import make_tracker
-from train.validation import evaluate
 
 
 class NonFiniteLossError(ValueError):
@@ -118,7 +117,7 @@ class DistillRecipe:
     `load_checkpoint`, `train`, `validate`, `save_checkpoint`, `cleanup`."""
 
     def __init__(self, run: CandidateRun):
-        self.run, self.tc, self.dc = run, run.train, run.distill
+        self.run, self.train_cfg, self.distill_cfg = run, run.train, run.distill
         self.cand, self.ckpt_root = run.out_dir, run.out_dir / "checkpoints"
         self.cache = run.distill.teacher == "cache"  # the teacher's top-k comes from the data; no teacher forward
         self.eagle3: Eagle3Training | None = None  # draft.init=eagle3: its loss and validation (distill/eagle3.py)
@@ -146,16 +145,16 @@ class DistillRecipe:
     def _setup_accelerator(self) -> None:
         """Processes and precision. The launcher (torchrun / accelerate launch) gives each process its device;
         target.device=cpu keeps everything on the CPU. A DeepSpeed launcher config turns DeepSpeed on."""
-        tc, target_device = self.tc, self.run.target.device
+        train_cfg, target_device = self.train_cfg, self.run.target.device
         on_cuda = torch.cuda.is_available() and target_device != "cpu"
-        precision = ("bf16" if on_cuda else "no") if tc.mixed_precision == "auto" else tc.mixed_precision
+        precision = ("bf16" if on_cuda else "no") if train_cfg.mixed_precision == "auto" else train_cfg.mixed_precision
         self.deepspeed = distributed.deepspeed_requested()
         if self.deepspeed:
             distributed.check_deepspeed_device(target_device)
-        handlers = distributed.process_group_kwargs(tc.timeout_minutes, gloo=self.deepspeed and not on_cuda)
+        handlers = distributed.process_group_kwargs(train_cfg.timeout_minutes, gloo=self.deepspeed and not on_cuda)
         distributed.reset_accelerator_state()  # each recipe (candidate, resumed run) starts its own Accelerator
         self.accelerator = acc = Accelerator(
-            gradient_accumulation_steps=tc.grad_accum,
+            gradient_accumulation_steps=train_cfg.grad_accum,
             mixed_precision=precision,
             cpu=not on_cuda and not self.deepspeed,
             kwargs_handlers=handlers,
@@ -163,11 +162,11 @@ class DistillRecipe:
         )
         self.rank, self.world, self.device = acc.process_index, acc.num_processes, acc.device
         self.is_main, self.fsdp = acc.is_main_process, acc.distributed_type == DistributedType.FSDP
-        distributed.check_grad_accum(acc, tc)
+        distributed.check_grad_accum(acc, train_cfg)
         if self.deepspeed:
-            distributed.configure_deepspeed(acc.state.deepspeed_plugin, tc)
+            distributed.configure_deepspeed(acc.state.deepspeed_plugin, train_cfg)
         self.shard = distributed.should_shard_teacher(
-            tc.shard_teacher, acc.distributed_type, world=self.world, cache=self.cache
+            train_cfg.shard_teacher, acc.distributed_type, world=self.world, cache=self.cache
         )
         # auto: the dtype of the device the teacher runs on (the cache's teacher never runs: it only seeds the student)
         runs_on = torch.device("cpu") if self.cache else self.device
@@ -177,7 +176,7 @@ class DistillRecipe:
         """The candidate folder and config.yaml; train.resume=false drops the previous checkpoints, best/, DONE."""
         if self.is_main:
             self.cand.mkdir(parents=True, exist_ok=True)
-            if not self.tc.resume:
+            if not self.train_cfg.resume:
                 for name in ("checkpoints", "best", LORA_BASE):
                     shutil.rmtree(self.cand / name, ignore_errors=True)
                 for name in ("metrics.jsonl", "DONE", VOCAB_FILE):
@@ -205,19 +204,14 @@ class DistillRecipe:
         if self.run.draft.init == "eagle3":
             set_seed(self.run.seed)
             self.eagle3 = Eagle3Training.setup(
-                teacher, self.run.draft, self.dc, teacher_data, self.cand, device=self.device, is_main=self.is_main,
-                log=self.accelerator.print,
+                teacher, self.run.draft, self.distill_cfg, teacher_data, self.cand, device=self.device,
+                is_main=self.is_main, log=self.accelerator.print,
             )  # fmt: skip
             return self.eagle3.student
         # fp32 whatever target.dtype says: a pretrained student loaded in bf16 would be rounded before .float()
-        load_draft = functools.partial(
-            load_model, **self.load_options | {"device": str(teacher.device), "dtype": "float32"}
-        )
-        check_vocab = functools.partial(check_vocab_compatible, self.tokenizer)
+        load_options = self.load_options | {"dtype": "float32"}
         set_seed(self.run.seed)  # the same student on every process: init=config draws random weights
-        student = build_student(
-            teacher, self.run.draft, load_model=load_draft, check_vocab=check_vocab, teacher_tokenizer=self.tokenizer
-        )
+        student = build_student(teacher, self.run.draft, teacher_tokenizer=self.tokenizer, load_options=load_options)
         self.accelerator.print(describe_student(student, teacher))
         return student.float().train()
 
@@ -230,42 +224,52 @@ class DistillRecipe:
         return teacher.to(self.device) if teacher.device != self.device else teacher
 
     def _setup_data(self, teacher_data: TeacherData) -> None:
-        tc, dc, tokenizer = self.tc, self.dc, self.tokenizer
+        train_cfg, distill_cfg, tokenizer = self.train_cfg, self.distill_cfg, self.tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         columns = ["input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if self.cache else [])
         columns += self.eagle3.columns if self.eagle3 else []
         log = self.accelerator.print
-        load = functools.partial(load_training_split, columns=columns, max_seq_len=tc.max_seq_len, log=log)
-        self.train_ds, self.eval_ds = load(teacher_data.train, split="train"), load(teacher_data.eval, split="eval")
-        self.global_batch = tc.batch_size * tc.grad_accum * self.world
+        load = functools.partial(load_training_split, columns=columns, max_seq_len=train_cfg.max_seq_len, log=log)
+        self.train_ds = load(teacher_data.train, split="train")
+        self.validation_ds = load(teacher_data.eval, split="eval")
+        self.global_batch = train_cfg.batch_size * train_cfg.grad_accum * self.world
         self.steps_per_epoch = len(self.train_ds) // self.global_batch
         if self.steps_per_epoch == 0:
             raise ValueError(
                 f"{len(self.train_ds)} training sequences are fewer than one global batch ({self.global_batch} = "
                 "train.batch_size x train.grad_accum x processes); lower them or generate more data"
             )
-        self.total = tc.max_steps or tc.epochs * self.steps_per_epoch
+        self.total = train_cfg.max_steps or train_cfg.epochs * self.steps_per_epoch
         self.my_rows = functools.partial(
-            micro_batch_indices, rank=self.rank, world=self.world, batch_size=tc.batch_size, grad_accum=tc.grad_accum
+            micro_batch_indices,
+            rank=self.rank,
+            world=self.world,
+            batch_size=train_cfg.batch_size,
+            grad_accum=train_cfg.grad_accum,
         )
         synced = self.fsdp and self.world > 1  # a sharded student's forwards are collectives: generate in step
         # Student answers end where the teacher's do: the tokenizer's EOS and the generation config's end-of-turn ids.
         stop_ids = list(stop_token_ids(self.teacher if self.teacher is not None else self.student, tokenizer))
         self.on_policy = dict(
-            stop_ids=stop_ids, pad_id=self.pad_id, data=self.run.data, max_seq_len=tc.max_seq_len, synced=synced
+            stop_ids=stop_ids, pad_id=self.pad_id, data=self.run.data, max_seq_len=train_cfg.max_seq_len, synced=synced
         )
         self.objective = dict(
-            objective=dc.objective, kd_temperature=dc.kd_temperature, beta=dc.beta, chunk_size=dc.chunk_size
+            objective=distill_cfg.objective,
+            kd_temperature=distill_cfg.kd_temperature,
+            beta=distill_cfg.beta,
+            chunk_size=distill_cfg.chunk_size,
         )
 
     def _setup_optimizer(self) -> None:
         """AdamW and the warm-up + cosine schedule. The scheduler is stepped by hand, not prepared: accelerate would
         step it once per process per optimizer step."""
-        tc = self.tc
+        train_cfg = self.train_cfg
         trainable = [p for p in self.student.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=tc.lr, weight_decay=tc.weight_decay)
-        schedule = functools.partial(lr_factor, warmup=tc.warmup_steps, total=self.total, min_ratio=tc.min_lr_ratio)
+        self.optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+        schedule = functools.partial(
+            lr_factor, warmup=train_cfg.warmup_steps, total=self.total, min_ratio=train_cfg.min_lr_ratio
+        )
         self.scheduler = LambdaLR(self.optimizer, schedule)
 
     def load_checkpoint(self) -> checkpoint.Checkpoint | None:
@@ -274,7 +278,7 @@ class DistillRecipe:
         self.state = checkpoint.TrainerState(world_size=self.world, global_batch=self.global_batch)
         adapter, log = isinstance(self.student, PeftModel), self.accelerator.print
         ckpt = None
-        if self.tc.resume:
+        if self.train_cfg.resume:
             ckpt = checkpoint.latest_checkpoint(self.ckpt_root, adapter=adapter, rank=self.rank, log=log)
         if self.world > 1:
             distributed.check_same_checkpoint(ckpt.path if ckpt else None, self.ckpt_root)
@@ -299,9 +303,12 @@ class DistillRecipe:
         # Checked on the plain fp32 student, before accelerate wraps its forward in autocast. FSDP shards the head's
         # weight, which the loss could not multiply by: the full-logits path there.
         chunk_head = (
-            not self.eagle3 and self.dc.chunked_head and not self.fsdp and chunked_head(self.student) is not None
+            not self.eagle3
+            and self.distill_cfg.chunked_head
+            and not self.fsdp
+            and chunked_head(self.student) is not None
         )
-        self.student, self.prepared_optimizer = distributed.prepare(acc, self.student, self.optimizer, self.tc)
+        self.student, self.prepared_optimizer = distributed.prepare(acc, self.student, self.optimizer, self.train_cfg)
         self.head = acc.unwrap_model(self.student).get_output_embeddings().weight if chunk_head else None
         if ckpt is not None:
             saved, ds = ckpt.optimizer, self.deepspeed
@@ -319,7 +326,7 @@ class DistillRecipe:
 
     def train(self) -> None:
         """Optimizer steps up to train.max_steps (or train.epochs), then the DONE marker."""
-        tc, state, acc = self.tc, self.state, self.accelerator
+        train_cfg, state, acc = self.train_cfg, self.state, self.accelerator
         progress = tqdm(
             total=self.total, initial=state.step, desc=self.run.name, disable=not self.is_main, dynamic_ncols=True
         )
@@ -329,7 +336,7 @@ class DistillRecipe:
                 if state.batch >= self.steps_per_epoch:  # the epoch is used up (or a resume changed the global batch)
                     state.epoch, state.batch = state.epoch + 1, 0
                 # 1. The step's micro-batches (on-policy ones generated now) and its global response-token count.
-                micro_batches = [self._micro_batch(micro) for micro in range(tc.grad_accum)]
+                micro_batches = [self._micro_batch(micro) for micro in range(train_cfg.grad_accum)]
                 num_items = acc.reduce(sum((b["labels"] != IGNORE).sum() for b in micro_batches), "sum")
 
                 # 2. Forward and backward over the window; gradients sync on its last micro-batch.
@@ -340,11 +347,11 @@ class DistillRecipe:
                         # The loss is already a share of the global mean: undo accelerate's division by grad_accum
                         # and DDP's gradient averaging over processes, so the shares add up. (DeepSpeed divides and
                         # averages the same way, and steps inside the last backward.)
-                        acc.backward(loss * tc.grad_accum * self.world)
+                        acc.backward(loss * train_cfg.grad_accum * self.world)
                         step_loss += loss.detach()
                 # Under DeepSpeed this only reports the norm: it clipped (gradient_clipping) and stepped in backward,
                 # so a non-finite step is already applied in memory below; nothing of it reaches a checkpoint.
-                grad_norm = acc.clip_grad_norm_(self.student.parameters(), tc.max_grad_norm or float("inf"))
+                grad_norm = acc.clip_grad_norm_(self.student.parameters(), train_cfg.max_grad_norm or float("inf"))
                 step_loss, grad_norm = acc.reduce(step_loss, "sum").item(), distributed.global_norm(grad_norm)
                 self._check_finite(step_loss, grad_norm)
 
@@ -361,7 +368,7 @@ class DistillRecipe:
                 window["loss"] += step_loss
                 window["tokens"] += float(num_items)
                 window["steps"] += 1
-                if state.step % tc.log_every == 0 or state.step == self.total:
+                if state.step % train_cfg.log_every == 0 or state.step == self.total:
                     elapsed = time.perf_counter() - window["start"]
                     self._log(
                         {
@@ -374,9 +381,9 @@ class DistillRecipe:
                     )
                     progress.set_postfix(loss=f"{window['loss'] / window['steps']:.4f}")
                     window = {"loss": 0.0, "tokens": 0.0, "steps": 0, "start": time.perf_counter()}
-                if state.step % tc.eval_every == 0 or state.step == self.total:
+                if state.step % train_cfg.eval_every == 0 or state.step == self.total:
                     self.validate()
-                if state.step % tc.save_every == 0 or state.step == self.total:
+                if state.step % train_cfg.save_every == 0 or state.step == self.total:
                     self.save_checkpoint()
 
             # 5. Done: best/ exists (a run resumed at its end whose best/ went missing validates again), then DONE.
@@ -392,14 +399,14 @@ class DistillRecipe:
 
     def _micro_batch(self, micro: int) -> dict[str, Tensor]:
         """This process's micro-batch `micro` of the next step, on the device."""
-        state, lmbda = self.state, self.dc.lmbda
+        state, lmbda = self.state, self.distill_cfg.lmbda
         order = epoch_order(len(self.train_ds), self.run.seed, state.epoch)
         rows = fetch_rows(self.train_ds, self.my_rows(order, state.batch, micro))
         # The coin depends on (seed, step, micro) only: every process and every resume flips the same one.
         if lmbda > 0 and np.random.default_rng([self.run.seed, state.step, micro]).random() < lmbda:
             rows = on_policy_rows(self.accelerator.unwrap_model(self.student), rows, **self.on_policy)
         batch = (collate_eagle3 if self.eagle3 else collate)(
-            rows, max_seq_len=self.tc.max_seq_len, pad_id=self.pad_id, topk=self.cache
+            rows, max_seq_len=self.train_cfg.max_seq_len, pad_id=self.pad_id, topk=self.cache
         )
         return {k: v.to(self.device) for k, v in batch.items()}
 
@@ -410,7 +417,7 @@ class DistillRecipe:
         the head matmul runs here: it enters the autocast accelerate would have applied inside the forward.
         """
         if self.eagle3:
-            return self.eagle3.loss(self.student, self.teacher, batch, num_items, self.dc)
+            return self.eagle3.loss(self.student, self.teacher, batch, num_items, self.distill_cfg)
         student, head, labels = self.student, self.head, batch["labels"]
         targets = teacher_targets(self.teacher, batch)
         if head is None:
@@ -442,9 +449,13 @@ class DistillRecipe:
 
     def validate(self) -> None:
         """Validation metrics, logged; best/ replaced when expected_acceptance improved."""
-        state, acc = self.state, self.accelerator
-        evaluate_fn = self.eagle3.evaluate if self.eagle3 else evaluate
-        metrics = evaluate_fn(self.student, self.teacher, self.eval_ds, acc, self.dc, self.tc, self.pad_id)
+        state, acc, student, teacher = self.state, self.accelerator, self.student, self.teacher
+        plugged = {}  # the standalone student's batches, sums and metrics, or the EAGLE-3 head's (distill/eagle3.py)
+        if head := self.eagle3:
+            plugged = dict(collate=collate_eagle3, batch_sums=head.validation_sums, metrics=head.validation_metrics)
+        metrics = validation.validate(
+            student, teacher, self.validation_ds, acc, self.distill_cfg, self.train_cfg, self.pad_id, **plugged
+        )
         state.last_eval_step = state.step
         state.history.append({"step": state.step, **metrics})
         self._log(metrics)
@@ -470,7 +481,7 @@ class DistillRecipe:
             write, scheduler = self._writer(acc.unwrap_model(self.student), full_state), self.scheduler.state_dict()
             files = dict(optimizer=optimizer, scheduler=scheduler, rng=rng, config_yaml=self.run.resolved_yaml)
             checkpoint.save_checkpoint(root, state, write_model_fn=write, **files)
-            checkpoint.prune_checkpoints(root, self.tc.keep_last)
+            checkpoint.prune_checkpoints(root, self.train_cfg.keep_last)
         acc.wait_for_everyone()
 
     def _full_state(self) -> dict | None:

@@ -1,0 +1,158 @@
+"""Training batches from the teacher data: the recipe's row order, micro-batches, padded batches, on-policy rows.
+
+    train_ds = load_training_split(data.train, ["input_ids", "prompt_len"], split="train", max_seq_len=512)
+    order = epoch_order(len(train_ds), seed, epoch)             # the same permutation on every process
+    rows = fetch_rows(train_ds, micro_batch_indices(order, step, micro, rank=rank, world=world,
+                                                    batch_size=4, grad_accum=2))
+    batch = collate(rows, max_seq_len=512, pad_id=pad_id, topk=False)   # input_ids, attention_mask, labels
+
+The datasets themselves are written by distill/data.py; the loop that consumes these batches is train/loop.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+
+from distill.config import DataConfig
+from distill.data import load_teacher_data
+
+IGNORE = -100  # label of a position that predicts no response token
+
+
+def load_training_split(
+    path: Path, columns: list[str], *, split: str, max_seq_len: int, log: Callable[[str], object] = print
+) -> datasets.Dataset:
+    """The finished `split` dataset (training or validation) at `path` with `columns` only; refused when it lacks a
+    column (the top-k cache) or holds nothing to learn from within `max_seq_len` tokens."""
+    ds = load_teacher_data(path)
+    if len(ds) == 0:
+        raise ValueError(f"{path} holds no sequences; generate the {split} data again")
+    if missing := [c for c in columns if c not in ds.column_names]:
+        raise ValueError(
+            f"{path} has no {missing} columns; distill.teacher=cache needs data generated with data.teacher_cache=true"
+        )
+    full = int((np.asarray(ds.select_columns(["prompt_len"])[:]["prompt_len"]) >= max_seq_len).sum())
+    if full == len(ds):
+        raise ValueError(
+            f"every prompt in {path} fills train.max_seq_len={max_seq_len}: no response token is left to learn "
+            "from; raise train.max_seq_len"
+        )
+    if full:
+        log(
+            f"warning: {full} of {len(ds)} sequences in {path} keep no response token within "
+            f"train.max_seq_len={max_seq_len}"
+        )
+    return ds.select_columns(columns)
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The row order of `epoch`: a permutation drawn from an explicit generator, identical on every process."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def micro_batch_indices(
+    order: list[int], batch: int, micro: int, *, rank: int, world: int, batch_size: int, grad_accum: int
+) -> list[int]:
+    """Rows of one process's micro-batch: the global batch `batch` is split micro-batch-major, then by rank, so
+    any (processes, grad_accum, batch_size) with the same product covers the same rows in one optimizer step."""
+    start = (batch * grad_accum * world + micro * world + rank) * batch_size
+    return order[start : start + batch_size]
+
+
+def fetch_rows(ds: datasets.Dataset, indices: list[int]) -> list[dict]:
+    columns = ds[indices]  # {column: [value per row]}
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
+def collate(rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool) -> dict[str, torch.Tensor]:
+    """Right-padded batch of (prompt + response) rows, truncated to `max_seq_len` from the response end.
+
+    labels[b, t] is the token that position t predicts when it is a response token, IGNORE elsewhere, so the loss
+    mask is `labels != IGNORE`. With `topk`, the cached teacher top-k of response token j (which predicted token
+    prompt_len + j) sits at position prompt_len + j - 1, aligned with labels.
+    """
+    ids = [row["input_ids"][:max_seq_len] for row in rows]
+    B, T = len(rows), max(len(x) for x in ids)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    labels = torch.full((B, T), IGNORE, dtype=torch.long)
+    if topk:
+        K = next((len(row["topk_ids"][0]) for row in rows if row["topk_ids"]), 1)
+        # Harmless filler where no response token is predicted: K distinct ids holding K/(K+1) of the mass.
+        topk_ids = torch.arange(K).expand(B, T, K).clone()  # (B, T, K)
+        topk_logprobs = torch.full((B, T, K), -math.log(K + 1))  # (B, T, K)
+    for b, (row, x) in enumerate(zip(rows, ids)):
+        n, P = len(x), row["prompt_len"]
+        input_ids[b, :n] = torch.tensor(x)
+        attention_mask[b, :n] = 1
+        first = max(P, 1)  # first response token that some position predicts
+        if first < n:
+            labels[b, first - 1 : n - 1] = input_ids[b, first:n]
+            if topk:
+                topk_ids[b, first - 1 : n - 1] = torch.tensor(row["topk_ids"][first - P : n - P])
+                topk_logprobs[b, first - 1 : n - 1] = torch.tensor(row["topk_logprobs"][first - P : n - P])
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if topk:
+        batch |= {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs}
+    return batch
+
+
+@torch.no_grad()
+def on_policy_rows(
+    model,
+    rows: list[dict],
+    *,
+    stop_ids: list[int],
+    pad_id: int,
+    data: DataConfig,
+    max_seq_len: int,
+    synced: bool = False,
+) -> list[dict]:
+    """The student's own answers to the rows' prompts, sampled like the teacher data (GKD, Agarwal et al. 2024;
+    DistillSpec, Zhou et al. 2024). Rows whose prompt leaves no room under `max_seq_len` stay as they are.
+
+    `synced`: the student's weights are sharded (FSDP, ZeRO-3), so every forward is a collective and a process
+    whose answers end early keeps stepping until all are done; all processes then take the same max_new_tokens."""
+    prompts = [row["input_ids"][: row["prompt_len"]] for row in rows]
+    P = max(len(p) for p in prompts)
+    max_new = min(data.max_new_tokens, max_seq_len - P)
+    device = next(model.parameters()).device
+    if synced:
+        budget = torch.tensor(max_new, device=device)
+        torch.distributed.all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
+        max_new = int(budget)
+    if max_new < 1:
+        return rows
+    input_ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts], device=device)  # (B, P) left-padded
+    attention_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=device)
+    sampling = (
+        dict(do_sample=True, temperature=data.temperature, top_k=data.top_k, top_p=data.top_p)
+        if data.temperature > 0
+        else dict(do_sample=False)
+    )
+    was_training = model.training
+    model.eval()
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new,
+        eos_token_id=stop_ids,  # the tokenizer's EOS and the generation config's end-of-turn ids, as teacher data
+        pad_token_id=pad_id,
+        synced_gpus=synced,
+        **sampling,
+    )  # (B, P + new)
+    model.train(was_training)
+    answers = []
+    for prompt, new in zip(prompts, out[:, P:].tolist()):
+        end = next((i for i, t in enumerate(new) if t in stop_ids), None)
+        response = new if end is None else new[: end + 1]
+        answers.append({"input_ids": prompt + response, "prompt_len": len(prompt)})
+    return answers

@@ -1,0 +1,267 @@
+"""Assemble the eval report (report.json) from the sweep's measurements; eval/report.py renders it.
+
+    report = build_report(parts, candidates, cfg, target_spec=..., fingerprint=target_fingerprint(target, tok), ...)
+    report["confirmation"] = confirmation_block(parts, name, draft, best, cfg.batch_sizes)
+    save_report(report, out_dir)                                     # <out_dir>/report.json, written atomically
+
+`parts` are the per-rank measurements eval/sweep.py gathers: for the sweep, one {"points": [Setting],
+"candidates": [{"rows": [measure() per point], "offline", "offline_t1", "params"}]} per rank; for the confirmation,
+one [measure() per batch size] per rank. Keys follow DESIGN.md's metric names (docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from eval.config import EvalConfig
+from specdec_runtime import atomic
+from specdec_runtime.ab import paired_metrics, pooled
+from specdec_runtime.metrics import GenerationStats, merge_stats
+
+if TYPE_CHECKING:  # the sweep's own records; eval/sweep.py imports this module
+    from eval.sweep import Candidate, Setting
+
+LENGTH_BUCKETS = ("short", "medium", "long")
+
+
+def target_fingerprint(model, tokenizer) -> str:
+    """Identifies the target a report was made for: its vocabulary and its architecture config."""
+    digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    arch = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
+    }
+    digest.update(json.dumps(arch, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One setting
+
+
+def _paired(runs: dict, gamma: int) -> dict:
+    """`ab.paired_metrics` plus both arms' latency and phases, pooled over every unit and repeat (throughput over
+    the batch, TTFT / TPOT per request)."""
+    base, spec = pooled(runs["target_only"]), pooled(runs["speculative"])
+    agg, base_agg = spec.aggregate(), base.aggregate()
+    latency = ("tokens_per_s", "ttft_s", "tpot_s")
+    return {
+        **paired_metrics(runs["target_only"], runs["speculative"], gamma),
+        **{k: agg[k] for k in latency},
+        "phases": spec.phases.to_dict(),
+        "target_only": {**{k: base_agg[k] for k in latency}, "phases": base.phases.to_dict()},
+        "target_tokens_per_s": base_agg["tokens_per_s"],
+    }
+
+
+def _add_peaks(row: dict, measured: list[dict]) -> None:
+    """Each arm's peak memory, the maximum over ranks: the speculative arm's as `peak_memory_bytes`, target-only's
+    as `target_only.peak_memory_bytes`."""
+    row["peak_memory_bytes"] = max(m["peak"].get("speculative", 0) for m in measured)
+    row["target_only"]["peak_memory_bytes"] = max(m["peak"].get("target_only", 0) for m in measured)
+
+
+def group_requests(requests: list, keys: list[str], prompt_ids: list[str]) -> dict[str, dict]:
+    """Acceptance per group: requests (every repeat of every prompt) under keys, one per request -> {key: stats};
+    `count` is the number of distinct prompts in the group (not prompts x repeats)."""
+    groups: dict[str, list] = {}
+    for key, req, pid in zip(keys, requests, prompt_ids, strict=True):
+        groups.setdefault(key, []).append((req, pid))
+    out = {}
+    for key, members in sorted(groups.items()):
+        reqs = [req for req, _ in members]
+        agg = GenerationStats(requests=reqs, wall_s=0.0, target_forwards=0, draft_forwards=0).aggregate()
+        out[key] = {
+            "acceptance_rate": agg["acceptance_rate"],
+            "mean_accepted_length": agg["mean_accepted_length"],
+            "count": len({pid for _, pid in members}),
+        }
+    return out
+
+
+def length_bucket(n: int, max_new_tokens: int) -> str:
+    return LENGTH_BUCKETS[min(2, 3 * n // max(max_new_tokens, 1))]
+
+
+def length_keys(requests: list, prompt_ids: list[str], max_new_tokens: int) -> list[str]:
+    """Each request's output-length bucket, from its prompt's median output length over the repeats (the lower
+    median): at T > 0 a prompt's repeats differ in length, and every repeat of one prompt must count in one bucket."""
+    lengths: dict[str, list[int]] = {}
+    for req, pid in zip(requests, prompt_ids, strict=True):
+        lengths.setdefault(pid, []).append(req.new_tokens)
+    bucket = {pid: length_bucket(statistics.median_low(ns), max_new_tokens) for pid, ns in lengths.items()}
+    return [bucket[pid] for pid in prompt_ids]
+
+
+def _setting(point: Setting, rows: list[dict], offline: float, cfg: EvalConfig) -> dict:
+    """One setting of the report from every rank's measurement of it."""
+    runs = {arm: [u for row in rows for u in row["runs"][arm]] for arm in ("target_only", "speculative")}
+    prompts = [p for row in rows for p in row["prompts"]]
+    once = merge_stats([unit[0] for unit in runs["speculative"]]).aggregate()  # each prompt once: counts and sizes
+    spec = pooled(runs["speculative"])
+    # pooled requests run unit by unit, each unit's repeats in turn: the prompt keys in the same order
+    units = [prompts[i : i + point.batch_size] for i in range(0, len(prompts), point.batch_size)]
+    order = [p for unit in units for _ in range(cfg.repeats) for p in unit]
+    ids = [p.id for p in order]
+    paired = _paired(runs, point.num_draft_tokens)
+    _add_peaks(paired, rows)
+    return {
+        "num_draft_tokens": point.num_draft_tokens,
+        "temperature": point.temperature,
+        "draft_rule": point.draft_rule,
+        "tree": point.tree,
+        "batch_size": point.batch_size,
+        **paired,
+        "expected_acceptance": offline,
+        "wall_s": once["wall_s"],
+        "new_tokens": once["new_tokens"],
+        "target_forwards": once["target_forwards"],
+        "draft_forwards": once["draft_forwards"],
+        "by_category": group_requests(spec.requests, [p.category for p in order], ids),
+        "by_length": group_requests(spec.requests, length_keys(spec.requests, ids, cfg.max_new_tokens), ids),
+    }
+
+
+def _target_only(parts: list[dict], temperature: float) -> dict:
+    """Target-only decoding at one temperature, pooled over every setting's paired runs at that temperature."""
+    rows = [
+        cand["rows"][i]
+        for part in parts
+        for cand in part["candidates"]
+        for i, point in enumerate(part["points"])
+        if point.temperature == temperature
+    ]
+    calls = [call for row in rows for unit in row["runs"]["target_only"] for call in unit]
+    agg = merge_stats(calls).aggregate()
+    return {
+        "temperature": temperature,
+        **{k: agg[k] for k in ("tokens_per_s", "ttft_s", "tpot_s", "decode_s")},
+        "calls": len(calls),
+        "peak_memory_bytes": max(row["peak"].get("target_only", 0) for row in rows),  # the target-only arm's
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The report
+
+
+def build_report(
+    parts: list[dict],
+    candidates: list[Candidate],
+    cfg: EvalConfig,
+    *,
+    target_spec: str,
+    fingerprint: str,
+    device,
+    backend: str,
+    stop_ids: tuple[int, ...],
+    split_counts: tuple[int, int],
+) -> dict:
+    """Merge per-rank measurements into the report dict (the selection half's sweep)."""
+    points = parts[0]["points"]
+    categories: dict[str, int] = {}
+    for row in (part["candidates"][0]["rows"][0] for part in parts):
+        for p in row["prompts"]:
+            categories[p.category] = categories.get(p.category, 0) + 1
+    report_candidates = []
+    for c_idx, cand in enumerate(candidates):
+        per_rank = [part["candidates"][c_idx] for part in parts]
+        settings = [
+            _setting(
+                point,
+                [m["rows"][s_idx] for m in per_rank],
+                sum(m["offline"][(point.temperature, point.draft_rule)] for m in per_rank) / len(per_rank),
+                cfg,
+            )
+            for s_idx, point in enumerate(points)
+        ]
+        report_candidates.append(
+            {
+                "name": cand.name,
+                "draft": str(cand.path),
+                "kind": cand.kind,
+                "run_dir": str(cand.run_dir) if cand.run_dir else None,
+                "num_parameters": per_rank[0]["params"],
+                "expected_acceptance": sum(m["offline_t1"] for m in per_rank) / len(per_rank),
+                "expected_acceptance_temperature": 1.0,
+                "settings": settings,
+            }
+        )
+    return {
+        "schema_version": 1,
+        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "target": target_spec,
+        "target_fingerprint": fingerprint,
+        "device": _device_name(device),
+        "prompts": {
+            "source": cfg.prompts,
+            "count": sum(split_counts),
+            "selection": split_counts[0],
+            "confirmation": split_counts[1],
+            "categories": categories,
+        },
+        "sweep": {
+            "num_draft_tokens": cfg.num_draft_tokens,
+            "temperatures": cfg.temperatures,
+            "draft_rules": cfg.draft_rules,
+            "trees": cfg.trees,
+            "max_new_tokens": cfg.max_new_tokens,
+            "batch_size": min(cfg.batch_sizes),
+            "batch_sizes": cfg.batch_sizes,
+        },
+        "settings": {
+            "backend": backend,
+            "split": "selection",
+            "repeats": cfg.repeats,
+            "warmup": cfg.warmup,
+            "stop_token_ids": list(stop_ids),
+        },
+        "target_only": [_target_only(parts, t) for t in cfg.temperatures],
+        "candidates": report_candidates,
+    }
+
+
+def confirmation_block(parts: list[list[dict]], name: str, draft: str, best: dict, batch_sizes: list[int]) -> dict:
+    """The report's `confirmation` block: the chosen setting `best` of candidate `name` (its folder `draft`),
+    measured once per batch size (sorted) on every rank's confirmation prompts."""
+    by_batch = []
+    for i, b in enumerate(sorted(batch_sizes)):
+        runs = {arm: [u for part in parts for u in part[i]["runs"][arm]] for arm in ("target_only", "speculative")}
+        row = {"batch_size": b, **_paired(runs, best["num_draft_tokens"])}
+        _add_peaks(row, [part[i] for part in parts])
+        by_batch.append(row)
+    return {
+        "name": name,
+        "draft": draft,
+        "num_draft_tokens": best["num_draft_tokens"],
+        "draft_rule": best["draft_rule"],
+        "temperature": best["temperature"],
+        "split": "confirmation",
+        "prompts": sum(len(part[0]["prompts"]) for part in parts),
+        "by_batch_size": by_batch,
+    }
+
+
+def _device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
+def write_json_atomic(obj, path: Path) -> Path:
+    """Write `obj` as JSON through `specdec_runtime.atomic`: readers see the old file or the new one, never half."""
+    return atomic.write_text(Path(path), json.dumps(obj, indent=2))
+
+
+def save_report(report: dict, out_dir: Path) -> Path:
+    """report.json, written atomically."""
+    return write_json_atomic(report, out_dir / "report.json")

@@ -1,0 +1,124 @@
+"""Decoding backends: the model the engine decodes with, the name reports give it, and the batches it is timed on.
+
+`fast_model` turns a loaded model into the one `engine.generate` runs:
+
+- CUDA, Llama family: the compact model of `llama.py` in bf16 with a static KV cache and CUDA graphs for the decode
+  and verify steps (`compact-static-cache+cuda-graphs`);
+- CPU, Llama family: the compact model's fast CPU path (`cpu.cpu_model`: fused, pre-packed weights;
+  `compact-static-cache+cpu-fused`), its steps compiled by Inductor on request (`cpu.compile_steps`;
+  `compact-static-cache+cpu-fused+inductor-frozen`);
+- an EAGLE-3 head stays a head (the engine pairs it with the target's states), laid out for the CPU there;
+- anything else: the HF model as given (`hf-eager`).
+
+`BackendOptions` is the user's choice on the CPU (the config's `target.cpu_fast_path` / `target.cpu_compile`,
+`TargetConfig.backend`); `eval`, `bench` and the data stage all choose through `fast_model` and record
+`backend_name` in their JSON.
+
+    target = fast_model(hf_target, BackendOptions(cpu_compile=True))
+    draft = fast_model(hf_draft, BackendOptions(cpu_compile=True), draft=True)
+    backend_name(target)   # 'compact-static-cache+cpu-fused+inductor-frozen'
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers import LlamaForCausalLM
+
+from .cpu import CPU_BACKEND, CPU_COMPILED_BACKEND, compile_steps, cpu_eagle3, cpu_model, draft_dtype
+from .eagle3 import Eagle3Draft
+from .llama import Llama
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How to decode on the CPU (CUDA always takes the compact model with its graphs)."""
+
+    cpu_fast_path: bool = True
+    """Decode Llama-family models through the fast CPU path (`cpu.cpu_model`); False: the HF models, eager."""
+    cpu_compile: bool = False
+    """Also compile the fast path's decode and verify steps with Inductor (`cpu.compile_steps`)."""
+
+    def __post_init__(self) -> None:
+        if self.cpu_compile and not self.cpu_fast_path:
+            raise ValueError(
+                "target.cpu_compile compiles the CPU fast path's steps, but target.cpu_fast_path is false: "
+                "set target.cpu_fast_path=true or target.cpu_compile=false"
+            )
+
+
+@dataclass
+class TargetConfig:
+    """The config's `target` section: the target model, how it is loaded, and its decoding backend (`backend`)."""
+
+    model: str = "embedded:smollm2-135m-instruct"
+    """Target model spec: an HF id, a local HF folder, a .gguf file, or embedded:smollm2-135m-instruct."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype; auto = float32 on CPU, bfloat16 on CUDA."""
+    device: str = "auto"
+    """Device to run the target on: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
+    trust_remote_code: bool = False
+    """Run modelling code shipped with the checkpoint. Off by default: it executes arbitrary Python."""
+    allow_pickle: bool = False
+    """Allow pickle `.bin` weights (arbitrary code on load); safetensors only by default."""
+    cpu_fast_path: bool = True
+    """On the CPU, decode Llama-family models through the runtime's fast CPU path (compact model, static cache, fused
+    pre-packed weights: specdec_runtime/cpu.py) in the data stage and eval; false decodes with the HF models."""
+    cpu_compile: bool = False
+    """On the CPU fast path, also compile the decode and verify steps of the target and of standalone drafts with
+    Inductor (`cpu.compile_steps`): ~1.3x faster steps after ~30 s of compiling per graph and model the first time a
+    process sees it, and up to one more copy of the weights per graph (docs/runtime.md); pays in long eval sweeps
+    and serving processes. Needs cpu_fast_path."""
+
+    def __post_init__(self) -> None:
+        BackendOptions(self.cpu_fast_path, self.cpu_compile)  # raises on cpu_compile without cpu_fast_path
+
+    @property
+    def backend(self) -> BackendOptions:
+        """The decoding backend these keys choose (`fast_model`)."""
+        return BackendOptions(self.cpu_fast_path, self.cpu_compile)
+
+
+def fast_model(
+    model: torch.nn.Module, backend: BackendOptions = BackendOptions(), *, draft: bool = False
+) -> torch.nn.Module:
+    """The model the engine decodes `model` with (module docstring).
+
+    On the CPU fast path a target keeps fp32 numerics and a draft (`draft=True`) takes `cpu.draft_dtype()`; the
+    steps are compiled when `backend.cpu_compile` (CUDA has its graphs instead). An EAGLE-3 head stays an
+    `Eagle3Draft`: on the CPU fast path a copy with its linears laid out once (`cpu.cpu_eagle3`, eager), elsewhere
+    as it is. Any other model is returned as is.
+    """
+    if isinstance(model, Eagle3Draft):
+        on_cpu = model.fc.weight.device.type == "cpu"
+        fast = on_cpu and backend.cpu_fast_path and not model.cpu_fast
+        return cpu_eagle3(model, draft_dtype()) if fast else model
+    if model.device.type == "cuda" and model.config.model_type == "llama":
+        return Llama.from_hf(model, dtype=torch.bfloat16)
+    if model.device.type == "cpu" and backend.cpu_fast_path and isinstance(model, LlamaForCausalLM):
+        fast = cpu_model(model, dtype=draft_dtype() if draft else torch.float32)
+        return compile_steps(fast) if backend.cpu_compile else fast
+    return model
+
+
+def backend_name(model: torch.nn.Module) -> str:
+    """Which decoding backend a model runs (`settings.backend` in the bench and eval JSON): the compact
+    static-cache model (CUDA graphs on CUDA, fused CPU layouts on the CPU fast path) or HF eager."""
+    if isinstance(model, Llama):
+        if model.cpu_fast:
+            return CPU_COMPILED_BACKEND if model.compiled_step is not None else CPU_BACKEND
+        return "compact-static-cache+cuda-graphs" if model.device.type == "cuda" and model.use_graphs else "compact"
+    return "hf-eager"
+
+
+def full_units(items: Sequence, batch_size: int) -> list[list]:
+    """Consecutive batches of exactly batch_size items (the remainder is left out) -> units."""
+    if batch_size > len(items):
+        raise ValueError(f"batch size {batch_size} needs at least {batch_size} prompts (got {len(items)})")
+    return [list(items[i : i + batch_size]) for i in range(0, len(items) - batch_size + 1, batch_size)]
+
+
+def longest_unit(units: list[list[list[int]]]) -> int:
+    """Index of the unit holding the longest prompt: its warm-up allocates the largest cache any timed call needs."""
+    return max(range(len(units)), key=lambda i: max(len(p) for p in units[i]))
