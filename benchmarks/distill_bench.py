@@ -74,8 +74,8 @@ def reset_peak_rss() -> None:
 def bench_data(out: Path, *, num_seqs: int, response_tokens: int, batch: int = 16) -> TeacherData:
     """The fixed bench set (train: `num_seqs` rows; eval: its first 2 rows, for the loop's closing validation)."""
     root = out / f"data-{num_seqs}x{response_tokens}-seed{SEED}"
-    data = TeacherData(train=root / "train", eval=root / "eval")
-    if (data.train / COMPLETE).is_file() and (data.eval / COMPLETE).is_file():
+    data = TeacherData(train=root / "train", validation=root / "validation")
+    if (data.train / COMPLETE).is_file() and (data.validation / COMPLETE).is_file():
         return data
     teacher, tokenizer = load_model(TEACHER, device="cpu")
     records = load_prompts("builtin:train", limit=num_seqs)
@@ -98,7 +98,7 @@ def bench_data(out: Path, *, num_seqs: int, response_tokens: int, batch: int = 1
         "prompt_len": [len(p) for p in prompts],
     }
     ds = datasets.Dataset.from_dict(rows, features=features(None))
-    for path, split in ((data.train, ds), (data.eval, ds.select(range(2)))):
+    for path, split in ((data.train, ds), (data.validation, ds.select(range(2)))):
         split.save_to_disk(str(path))
         (path / COMPLETE).touch()
     return data

@@ -41,7 +41,7 @@ def untrained_metrics(cfg: RootConfig, teacher, tokenizer, teacher_data: Teacher
     student = build_student(teacher, cfg.draft, teacher_tokenizer=tokenizer, load_options=load_options).float()
     cache = cfg.distill.teacher == "cache"
     columns = ["input_ids", "prompt_len"] + (["topk_ids", "topk_logprobs"] if cache else [])
-    validation_ds = load_teacher_data(teacher_data.eval).select_columns(columns)
+    validation_ds = load_teacher_data(teacher_data.validation).select_columns(columns)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     accelerator = Accelerator(cpu=device == "cpu")
     return validate(student, None if cache else teacher, validation_ds, accelerator, cfg.distill, cfg.train, pad_id)

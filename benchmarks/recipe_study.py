@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             train, tokens = subset(data.train, args.out / "data", fraction=fraction, answers=answers)
             cfg = load_config(args.config, [*base, f"seed={seed}", *overrides])
             start = time.perf_counter()
-            cand = distill_candidate(cfg, label, TeacherData(train, data.eval), teacher=target, tokenizer=tokenizer)
+            teacher_data = TeacherData(train, data.validation)
+            cand = distill_candidate(cfg, label, teacher_data, teacher=target, tokenizer=tokenizer)
             minutes = (time.perf_counter() - start) / 60
             row = {
                 "variant": name,

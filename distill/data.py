@@ -61,7 +61,7 @@ class TeacherData:
 
     train: Path
     """Teacher answers to the training prompts (a finished `save_to_disk` folder)."""
-    eval: Path
+    validation: Path
     """Teacher answers to the validation prompts, same format."""
 
 
@@ -160,7 +160,7 @@ def generate_teacher_data(
             )
             for split, (_, records) in splits.items()
         }
-    return TeacherData(train=paths["teacher"], eval=paths["teacher-eval"])
+    return TeacherData(train=paths["teacher"], validation=paths["teacher-eval"])
 
 
 def load_teacher_data(path: Path) -> datasets.Dataset:

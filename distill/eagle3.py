@@ -1,6 +1,6 @@
 """Training an EAGLE-3 draft head (`draft.init: eagle3`): draft vocabulary, training-time-test loss, validation.
 
-    draft = build_eagle3_student(teacher, cfg.draft, teacher_data.train, cand_dir)   # vocabulary counted once
+    draft, coverage = build_eagle3_student(teacher, cfg.draft, teacher_data.train, cand_dir)  # vocabulary counted once
     loss = eagle3_loss(draft, embed_weight, teacher, batch, num_items, cfg.draft, cfg.distill, aux_index)
     sums = eagle3_validation_sums(draft, embed_weight, teacher, batch, cfg.draft, cfg.distill, aux_index, ...)
     metrics = eagle3_validation_metrics(all_sums, cfg.draft.ttt_depth, coverage)   # sums added over the data
@@ -100,8 +100,8 @@ def draft_vocab(train: Path, cand: Path, size: int, vocab_size: int, log: Callab
 
 
 def build_eagle3_student(teacher, draft_cfg, train: Path, cand: Path, *, is_main: bool = True, log=print):
-    """A new EAGLE-3 head for `teacher` (fp32, on its device) and its vocabulary record; the main process writes
-    <cand>/draft_vocab.json the first time (`draft_vocab`)."""
+    """A new EAGLE-3 head for `teacher` (fp32, on its device) and the share of the training response tokens its
+    vocabulary covers; the main process writes <cand>/draft_vocab.json the first time (`draft_vocab`)."""
     L, V = teacher.config.num_hidden_layers, teacher.config.vocab_size
     vocab = draft_vocab(train, cand, draft_cfg.draft_vocab_size, V, log=log)
     if is_main and not (cand / VOCAB_FILE).is_file():
@@ -111,11 +111,10 @@ def build_eagle3_student(teacher, draft_cfg, train: Path, cand: Path, *, is_main
     aux = draft_cfg.aux_layers if draft_cfg.aux_layers is not None else default_aux_layers(L)
     student = Eagle3Draft.from_target(teacher, torch.tensor(vocab["ids"]), aux)
     student.lm_head.weight.requires_grad_(not draft_cfg.freeze_lm_head)
-    student.vocab_coverage = vocab["coverage"]
-    return student.float().train()
+    return student.float().train(), vocab["coverage"]
 
 
-def describe_eagle3(student: Eagle3Draft, teacher) -> str:
+def describe_eagle3(student: Eagle3Draft, teacher, coverage: float) -> str:
     """One line: sizes, parameters and matmul FLOPs per drafted token relative to the teacher's."""
     params = sum(p.numel() for p in student.parameters())
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
@@ -127,7 +126,7 @@ def describe_eagle3(student: Eagle3Draft, teacher) -> str:
     cfg = student.config
     return (
         f"student: EAGLE-3 head, hidden {cfg.hidden_size}, draft vocabulary {student.lm_head.out_features} of "
-        f"{cfg.vocab_size} (coverage {getattr(student, 'vocab_coverage', float('nan')):.4f}), "
+        f"{cfg.vocab_size} (coverage {coverage:.4f}), "
         f"{params / 1e6:.2f}M params ({trainable / 1e6:.2f}M trainable) | teacher: "
         f"{teacher.config.num_hidden_layers} layers | flop_ratio {flop_ratio:.3f} per drafted token"
     )
@@ -416,7 +415,7 @@ class Eagle3Training:
     ):
         if distill_cfg.lmbda > 0:
             raise ValueError("distill.lmbda > 0 (on-policy data) is not supported for draft.init=eagle3; set it to 0")
-        student = build_eagle3_student(teacher, draft_cfg, teacher_data.train, cand, is_main=is_main, log=log)
+        student, coverage = build_eagle3_student(teacher, draft_cfg, teacher_data.train, cand, is_main=is_main, log=log)
         L, H = teacher.config.num_hidden_layers, teacher.config.hidden_size
         aux = student.aux_layers(L)
         index = None
@@ -428,9 +427,9 @@ class Eagle3Training:
                     "needs data generated with data.teacher_cache=true after this candidate was configured"
                 )
             index = cache_aux_index(stored, aux, H)
-        log(describe_eagle3(student, teacher))
+        log(describe_eagle3(student, teacher, coverage))
         embed = frozen_embedding(teacher, device)
-        return cls(student.to(device), embed, draft_cfg, aux, index, student.vocab_coverage)
+        return cls(student.to(device), embed, draft_cfg, aux, index, coverage)
 
     def loss(self, student, teacher, batch: dict[str, Tensor], num_items, distill_cfg: DistillConfig) -> Tensor:
         return eagle3_loss(

@@ -300,7 +300,7 @@ def cmd_data(args: argparse.Namespace) -> None:
     cfg = _stage_config(args)
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     data = stage_data(cfg, dist)
-    print0(dist, f"teacher data: train {data.train}, held-out {data.eval}")
+    print0(dist, f"teacher data: train {data.train}, validation {data.validation}")
 
 
 def cmd_distill(args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 """Fixtures (an isolated model cache, one intra-op thread), quiet libraries, and the skip hook of the markers.
 
-Builders shared by the test modules live in tests/helpers.py; nothing imports this file as a module.
+Builders shared by the test modules live in tests/helpers/; nothing imports this file as a module.
 """
 
 from __future__ import annotations

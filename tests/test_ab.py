@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import perturbed, tiny_llama
+from helpers.models import perturbed, tiny_llama
 
 from specdec_runtime.ab import (
     ArmPeaks,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import perturbed, tiny_llama
+from helpers.models import perturbed, tiny_llama
 from transformers import GenerationConfig
 
 from specdec_runtime.bench import VerifyWidths, fair_assistant, format_bench_table, hf_assisted, run_bench

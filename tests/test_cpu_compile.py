@@ -5,7 +5,7 @@ compiled graph per (tokens per step, rows), reused across prompts of other lengt
 
 import pytest
 import torch
-from helpers import LLAMA_PROMPTS, hf_greedy, tiny_llama
+from helpers.models import LLAMA_PROMPTS, hf_greedy, tiny_llama
 
 from distill.students import truncate_student
 from specdec_runtime.ab import capture_graphs

@@ -4,17 +4,8 @@ and the switch that turns it off."""
 
 import pytest
 import torch
-from helpers import (
-    JOINT_PROMPTS,
-    LLAMA_PROMPTS,
-    chi_square_pvalue,
-    hf_greedy,
-    llama_joint2,
-    llama_joint_pvalues,
-    perturbed,
-    spread_llama,
-    tiny_llama,
-)
+from helpers.models import LLAMA_PROMPTS, hf_greedy, perturbed, spread_llama, tiny_llama
+from helpers.stats import JOINT_PROMPTS, chi_square_pvalue, llama_joint2, llama_joint_pvalues
 
 from specdec_runtime.backends import BackendOptions, backend_name, fast_model
 from specdec_runtime.cpu import CPU_BACKEND, cpu_model, draft_dtype

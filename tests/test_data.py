@@ -95,7 +95,7 @@ def test_generation_writes_the_contract_format(tiny, tmp_path, monkeypatch):
     out = run(tiny, cfg, tmp_path / "data")
 
     assert out.train.parent == tmp_path / "data" and out.train.name.startswith("teacher-")
-    assert out.eval.name.startswith("teacher-eval-")
+    assert out.validation.name.startswith("teacher-eval-")
     assert (out.train / ".complete").is_file() and not (out.train / "shards").exists()
     ds = load_teacher_data(out.train)
     schema = ds.data.schema
@@ -117,7 +117,7 @@ def test_generation_writes_the_contract_format(tiny, tmp_path, monkeypatch):
             assert response[-1] in stops
         lengths.append(len(response))
     assert min(lengths) < cfg.max_new_tokens and max(lengths) == cfg.max_new_tokens  # both endings exercised
-    assert load_teacher_data(out.eval)["id"] == [f"e{i}#{s}" for i in range(2) for s in range(2)]  # same format
+    assert load_teacher_data(out.validation)["id"] == [f"e{i}#{s}" for i in range(2) for s in range(2)]  # same format
 
 
 def test_second_call_is_a_cache_hit(tiny, tmp_path, monkeypatch):
@@ -132,7 +132,7 @@ def test_single_source_teacher_data_keeps_its_fingerprint(tiny, tmp_path, monkey
     # Pinned before data.prompts took lists: data written by earlier versions is found again, never regenerated.
     cfg = make_cfg(tmp_path, n_train=4)
     out = run(tiny, cfg, tmp_path / "data")
-    assert (out.train.name, out.eval.name) == ("teacher-debff41e4e9d", "teacher-eval-367fc4802285")
+    assert (out.train.name, out.validation.name) == ("teacher-debff41e4e9d", "teacher-eval-367fc4802285")
     calls = count_engine_calls(monkeypatch)
     assert run(tiny, dataclasses.replace(cfg, prompts=[cfg.prompts]), tmp_path / "data") == out and calls == []
     # The defaults' keys (builtin:train, builtin:validation) with this teacher's tokenizer, pinned the same way.
@@ -286,7 +286,7 @@ def test_teacher_cache_holds_the_teachers_top_k(tiny, tmp_path, capsys):
         assert torch.equal(ids[:, 0].long(), fresh.argmax(-1))
         torch.testing.assert_close(logprobs, fresh.gather(-1, ids.long()), atol=1e-2, rtol=1e-2)
         tokens += len(x) - p
-    assert load_teacher_data(out.eval).column_names == ds.column_names
+    assert load_teacher_data(out.validation).column_names == ds.column_names
     stats = cache_stats(out.train)
     assert stats == {"tokens": tokens, "bytes_per_token": 32 * (4 + 2), "top_k": 32}
     assert stats["bytes_per_token"] <= 256
@@ -317,7 +317,7 @@ def test_two_ranks_write_their_own_shards_and_rank_0_merges(tiny, tmp_path):
     merged = run(tiny, cfg, out, rank=0, world_size=2)
     single = run(tiny, cfg, tmp_path / "single")
     assert load_teacher_data(merged.train).to_list() == load_teacher_data(single.train).to_list()
-    assert load_teacher_data(merged.eval).to_list() == load_teacher_data(single.eval).to_list()
+    assert load_teacher_data(merged.validation).to_list() == load_teacher_data(single.validation).to_list()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -429,7 +429,7 @@ def test_training_on_the_validation_prompts_only_is_refused(tiny, tmp_path):
 def test_the_top_k_cache_is_scored_a_few_rows_at_a_time_with_the_same_arrays(monkeypatch):
     """`_teacher_topk` bounds its peak memory by scoring SCORE_ROWS rows per forward; the per-row arrays are those of
     one forward over every row (right padding to another length changes no logit a row keeps)."""
-    from helpers import tiny_llama
+    from helpers.models import tiny_llama
 
     teacher = tiny_llama(seed=3, layers=3)
     gen = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers.models import tiny_llama
 from safetensors.torch import load_file
 
 from distill.eagle3 import choose_draft_vocab, draft_targets, shift, ttt_logits

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import LLAMA_PROMPTS, assert_same_up_to_ties, chi_square_pvalue, gpu_llama, hf_greedy, tiny_llama
+from helpers.models import LLAMA_PROMPTS, assert_same_up_to_ties, gpu_llama, hf_greedy, tiny_llama
+from helpers.stats import chi_square_pvalue
 
 import specdec_runtime.eagle3_state as eagle3_state
 import specdec_runtime.engine as engine
@@ -393,7 +394,7 @@ def test_offline_first_step_logits_are_the_engines_first_proposals(pair):
 
 def test_promoting_a_head_writes_the_engines_eagle3_methods(tmp_path):
     """The recommendation's kind reaches serving.yaml and every engine's method (shared/EAGLE3.md)."""
-    from helpers import make_report
+    from helpers.reports import make_report
 
     from eval.config import ServingConfig
     from eval.promote import build_serving

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 import yaml
-from helpers import (
+from helpers.runs import (
     ADAM_OUTLIERS,
     PAUSE_AFTER_CHECKPOINT,
     TESTS,
@@ -190,12 +190,12 @@ def child_script(root, data, runs: dict, *overrides: str, prelude: str = "") -> 
         from pathlib import Path
         sys.path.insert(0, {str(TESTS)!r})
         from distill.data import TeacherData
-        from helpers import train_config
+        from helpers.runs import train_config
         from specdistill.pipeline import distill_candidate
         """)
         + textwrap.dedent(prelude)
         + textwrap.dedent(f"""
-        data = TeacherData(Path({str(data.train)!r}), Path({str(data.eval)!r}))
+        data = TeacherData(Path({str(data.train)!r}), Path({str(data.validation)!r}))
         for out, spec in {[(str(out), spec) for out, spec in runs.items()]!r}:
             settings = [*{(*EAGLE3, *COMMON, *overrides)!r}, *(s for s in spec if isinstance(s, str))]
             for max_steps in [s for s in spec if isinstance(s, int)]:

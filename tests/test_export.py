@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import yaml
-from helpers import tiny_llama
+from helpers.models import tiny_llama
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

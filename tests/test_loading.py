@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers.models import tiny_llama
 
 from specdec_runtime import atomic
 from specdec_runtime.loading import (

@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import TESTS, train_config
+from helpers.runs import TESTS, train_config
 
 CHECKS = r'''
 import copy, json, os, sys, traceback
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 sys.path.insert(0, TESTS)
-from helpers import tiny_llama
+from helpers.models import tiny_llama
 
 out = Path(OUT)
 from specdistill.pipeline import dist_state
@@ -234,7 +234,7 @@ def _():
 
 @check("given_sharded")
 def _():
-    from helpers import train_config
+    from helpers.runs import train_config
     from specdistill.pipeline import candidate_run
     from train.loop import DistillRecipe, shards_teacher
 
@@ -489,7 +489,7 @@ def test_resume_reads_the_optimizer_state_memory_mapped(tmp_path):
 def test_a_bf16_teacher_file_loads_memory_mapped_in_bf16(tmp_path, isolated_cache):
     """With dtype auto resolved for the GPU a sharded teacher trains on (bf16), a bf16 checkpoint loaded on the CPU
     keeps its weights in the file's pages (one page-cache copy for all ranks); an fp32 upcast is a private copy."""
-    from helpers import tiny_llama
+    from helpers.models import tiny_llama
 
     from specdec_runtime.loading import load_model, load_tokenizer
 

@@ -13,7 +13,8 @@ import zlib
 from html.parser import HTMLParser
 
 import pytest
-from helpers import TREE_ALPHA, make_report, perturbed, tiny_llama
+from helpers.models import perturbed, tiny_llama
+from helpers.reports import TREE_ALPHA, make_report
 from matplotlib.container import BarContainer, ErrorbarContainer
 
 from eval.config import EvalConfig
@@ -432,7 +433,7 @@ def series_of(fig) -> dict[str, list[float]]:
 
 def test_every_plot_of_a_real_training_run_has_data(tmp_path_factory, tmp_path):
     """A real (tiny) distillation run's metrics.jsonl feeds the training plot: its validation panel too."""
-    from helpers import reference_run
+    from helpers.runs import reference_run
 
     _, _, cand = reference_run(tmp_path_factory, "report-run")
     report = make_report(tmp_path)

@@ -8,7 +8,8 @@ of whole sequences of 2 (gamma + 1) tokens with a stop token (rows finish at dif
 
 import pytest
 import torch
-from helpers import (
+from helpers.models import spread_llama
+from helpers.stats import (
     JOINT_PROMPTS,
     SEQ_LEN,
     SEQ_PROMPTS,
@@ -21,7 +22,6 @@ from helpers import (
     llama_joint_pvalues,
     sequence_pvalues,
     sequence_tables,
-    spread_llama,
 )
 
 import specdec_runtime.engine as engine

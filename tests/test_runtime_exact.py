@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import LLAMA_PROMPTS, hf_greedy, perturbed, tiny_llama
+from helpers.models import LLAMA_PROMPTS, hf_greedy, perturbed, tiny_llama
 
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.llama import Llama

@@ -7,15 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import (
-    GPU_PROMPTS,
-    JOINT_PROMPTS,
-    assert_same_up_to_ties,
-    gpu_llama,
-    gpu_perturbed,
-    llama_joint2,
-    llama_joint_pvalues,
-)
+from helpers.models import GPU_PROMPTS, assert_same_up_to_ties, gpu_llama, gpu_perturbed
+from helpers.stats import JOINT_PROMPTS, llama_joint2, llama_joint_pvalues
 
 from specdec_runtime.bench import run_bench
 from specdec_runtime.engine import SamplingParams, generate

@@ -7,7 +7,7 @@ accept/reject rule by a known overhead, so every phase, cost ratio and speedup h
 
 import pytest
 import torch
-from helpers import LLAMA_PROMPTS, hf_greedy, perturbed, tiny_llama
+from helpers.models import LLAMA_PROMPTS, hf_greedy, perturbed, tiny_llama
 
 import specdec_runtime.engine as engine
 import specdec_runtime.tree_step as tree_step

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers.models import tiny_llama
 
 from specdec_runtime.bench import format_bench_table, run_bench
 from specdec_runtime.engine import SamplingParams, generate

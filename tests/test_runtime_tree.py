@@ -16,30 +16,32 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (
+from helpers.models import (
     GPU_PROMPTS,
-    JOINT_PROMPTS,
     LLAMA_PROMPTS,
+    assert_same_up_to_ties,
+    gpu_llama,
+    gpu_perturbed,
+    hf_greedy,
+    per_row_tree,
+    perturbed,
+    spread_llama,
+    tiny_llama,
+)
+from helpers.stats import (
+    JOINT_PROMPTS,
     SEQ_LEN,
     SEQ_PROMPTS,
     SEQ_STOP,
     TrigramLM,
     V,
-    assert_same_up_to_ties,
     chi_square_pvalue,
     exact_joint,
     g_test_pvalue,
-    gpu_llama,
-    gpu_perturbed,
-    hf_greedy,
     llama_joint2,
     llama_joint_pvalues,
-    per_row_tree,
-    perturbed,
     sequence_pvalues,
     sequence_tables,
-    spread_llama,
-    tiny_llama,
 )
 
 import specdec_runtime.tree_step as tree_step

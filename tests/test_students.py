@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers.models import tiny_llama
 from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from tokenizers import Tokenizer, models, pre_tokenizers

@@ -7,7 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from helpers import make_report, offline_run, tiny_setup, train_config
+from helpers.reports import make_report
+from helpers.runs import offline_run, tiny_setup, train_config
 
 from eval.report import TRACKER_COLUMNS, write_reports
 from train.config import TrackingConfig

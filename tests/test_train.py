@@ -1,7 +1,7 @@
 """The distillation loop on tiny random models: smoke + resume, the pure pieces, cache / on-policy / NaN paths.
 
 Run builders shared with the other train tests (`tiny_setup`, `train_config`, `reference_run`, ...) live in
-tests/helpers.py.
+tests/helpers/.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import (
+from helpers.runs import (
     ADAM_OUTLIERS,
     assert_same_logs,
     assert_same_weights,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
+from helpers.runs import (
     ADAM_OUTLIERS,
     TESTS,
     assert_same_logs,
@@ -71,10 +71,10 @@ def run_two_processes(
         from pathlib import Path
         sys.path.insert(0, {str(TESTS)!r})
         from distill.data import TeacherData
-        from helpers import train_config
+        from helpers.runs import train_config
         from specdistill.pipeline import distill_candidate
 
-        data = TeacherData(Path({str(data.train)!r}), Path({str(data.eval)!r}))
+        data = TeacherData(Path({str(data.train)!r}), Path({str(data.validation)!r}))
         for steps in {steps!r}:
             cfg = train_config(Path({str(out)!r}), *{(*COMMON, *overrides)!r}, f"train.max_steps={{steps}}")
             distill_candidate(cfg, "draft", data)
@@ -171,7 +171,7 @@ def test_shard_teacher_computes_the_full_models_logits_tied_or_not(tmp_path):
         import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
         sys.path.insert(0, {str(TESTS)!r})
-        from helpers import tiny_llama
+        from helpers.models import tiny_llama
         from distill.objectives import teacher_forward
         from train.distributed import shard_teacher
 
@@ -213,7 +213,7 @@ def test_on_policy_generation_with_a_sharded_student_keeps_processes_in_step(tmp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         sys.path.insert(0, {str(TESTS)!r})
-        from helpers import tiny_llama
+        from helpers.models import tiny_llama
         from distill.config import DataConfig
         from distill.batches import on_policy_rows
 

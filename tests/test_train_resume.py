@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import (
+from helpers.runs import (
     PAUSE_AFTER_CHECKPOINT,
     TESTS,
     assert_same_logs,
@@ -66,9 +66,9 @@ def test_sigkilled_run_resumes_to_the_same_result(reference, tmp_path):
         sys.path.insert(0, {str(TESTS)!r})
         import specdistill.pipeline
         from distill.data import TeacherData
-        from helpers import train_config
+        from helpers.runs import train_config
 
-        data = TeacherData(Path({str(data.train)!r}), Path({str(data.eval)!r}))
+        data = TeacherData(Path({str(data.train)!r}), Path({str(data.validation)!r}))
         specdistill.pipeline.distill_candidate(train_config(Path({str(out)!r}), *{SETTINGS!r}), "draft", data)
     """)
     )

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from helpers import g_test_pvalue, per_row_tree, tiny_llama
+from helpers.models import per_row_tree, tiny_llama
+from helpers.stats import g_test_pvalue
 from transformers import DynamicCache
 
 from specdec_runtime.tree import (

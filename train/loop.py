@@ -232,7 +232,7 @@ class DistillRecipe:
         log = self.accelerator.print
         load = functools.partial(load_training_split, columns=columns, max_seq_len=train_cfg.max_seq_len, log=log)
         self.train_ds = load(teacher_data.train, split="train")
-        self.validation_ds = load(teacher_data.eval, split="eval")
+        self.validation_ds = load(teacher_data.validation, split="validation")
         self.global_batch = train_cfg.batch_size * train_cfg.grad_accum * self.world
         self.steps_per_epoch = len(self.train_ds) // self.global_batch
         if self.steps_per_epoch == 0:
