@@ -6,7 +6,8 @@
 
 `parts` are the per-rank measurements eval/sweep.py gathers: for the sweep, one {"points": [Setting],
 "candidates": [{"rows": [measure() per point], "offline", "offline_t1", "params"}]} per rank; for the confirmation,
-one [measure() per batch size] per rank. Keys follow DESIGN.md's metric names (docs/metrics.md).
+one [measure() per batch size] per rank. Keys follow DESIGN.md's metric names (docs/metrics.md). The records a
+report is made of (`Candidate`, `Setting`) live here too: the sweep imports them, this module never imports the sweep.
 """
 
 from __future__ import annotations
@@ -14,21 +15,48 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from eval.config import EvalConfig
 from specdec_runtime import atomic
 from specdec_runtime.ab import paired_metrics, pooled
+from specdec_runtime.eagle3 import is_eagle3_folder
 from specdec_runtime.metrics import GenerationStats, merge_stats
 
-if TYPE_CHECKING:  # the sweep's own records; eval/sweep.py imports this module
-    from eval.sweep import Candidate, Setting
-
 LENGTH_BUCKETS = ("short", "medium", "long")
+
+
+@dataclass
+class Candidate:
+    """One draft to evaluate."""
+
+    name: str
+    """Label in the report."""
+    path: Path
+    """HF folder with the draft's weights (a best/ or checkpoint folder, or an exported draft)."""
+    run_dir: Path | None = None
+    """Its distillation run directory, when known (for training curves)."""
+
+    @property
+    def kind(self) -> str:
+        """`eagle3` for an EAGLE-3 head (shared/EAGLE3.md), else `standalone`: the report's `kind` column."""
+        return "eagle3" if is_eagle3_folder(self.path) else "standalone"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One measured point: sampling, drafting and concurrency."""
+
+    temperature: float
+    draft_rule: str
+    num_draft_tokens: int
+    """gamma for a chain, the depth for a tree."""
+    tree: str | None
+    batch_size: int
 
 
 def target_fingerprint(model, tokenizer) -> str:

@@ -32,10 +32,10 @@ from tqdm.auto import tqdm
 
 from eval.config import EvalConfig, ServingConfig
 from eval.recommend import choose
-from eval.results import build_report, confirmation_block, target_fingerprint
+from eval.results import Candidate, Setting, build_report, confirmation_block, target_fingerprint
 from specdec_runtime.ab import ArmPeaks, capture_graphs, paired_runs
 from specdec_runtime.backends import BackendOptions, backend_name, fast_model, full_units, longest_unit
-from specdec_runtime.eagle3 import Eagle3Draft, first_step_logits, is_eagle3_folder
+from specdec_runtime.eagle3 import Eagle3Draft, first_step_logits
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.loading import (
     check_vocab_compatible,
@@ -47,23 +47,6 @@ from specdec_runtime.loading import (
 )
 from specdec_runtime.metrics import GenerationStats, expected_acceptance
 from specdec_runtime.tree import parse_tree, tree_size
-
-
-@dataclass
-class Candidate:
-    """One draft to evaluate."""
-
-    name: str
-    """Label in the report."""
-    path: Path
-    """HF folder with the draft's weights (a best/ or checkpoint folder, or an exported draft)."""
-    run_dir: Path | None = None
-    """Its distillation run directory, when known (for training curves)."""
-
-    @property
-    def kind(self) -> str:
-        """`eagle3` for an EAGLE-3 head (shared/EAGLE3.md), else `standalone`: the report's `kind` column."""
-        return "eagle3" if is_eagle3_folder(self.path) else "standalone"
 
 
 @dataclass
@@ -145,18 +128,6 @@ def load_draft(cand: Candidate, device: str, dtype: str):
 def selection_confirmation_split(prompts: list) -> tuple[list, list]:
     """(selection, confirmation): alternate prompts, so each half spans the categories of a file sorted by them."""
     return prompts[0::2], prompts[1::2]
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One measured point: sampling, drafting and concurrency."""
-
-    temperature: float
-    draft_rule: str
-    num_draft_tokens: int
-    """gamma for a chain, the depth for a tree."""
-    tree: str | None
-    batch_size: int
 
 
 @dataclass(frozen=True)

@@ -351,7 +351,7 @@ def candidate_dirs(cfg: RootConfig) -> list[Path]:
 
 
 def config_candidates(cfg: RootConfig):
-    from eval.sweep import Candidate
+    from eval.results import Candidate
 
     out = []
     for run_dir in candidate_dirs(cfg):

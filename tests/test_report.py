@@ -37,8 +37,8 @@ from eval.report import (
     render_markdown,
     write_reports,
 )
-from eval.results import _setting, group_requests, length_bucket, length_keys, write_json_atomic
-from eval.sweep import Bench, EvalPrompt, Setting, measure
+from eval.results import Setting, _setting, group_requests, length_bucket, length_keys, write_json_atomic
+from eval.sweep import Bench, EvalPrompt, measure
 from specdec_runtime.backends import fast_model
 from specdec_runtime.metrics import RequestStats
 from specdec_runtime.tree import parse_tree, tree_size

@@ -62,7 +62,7 @@ def make_teacher_data(root: Path, teacher, *, n_train: int = 16, n_eval: int = 5
 
     return TeacherData(
         train=make_split(root / "teacher-test", teacher, n_train, seed=0, top_k=top_k),
-        eval=make_split(root / "teacher-eval-test", teacher, n_eval, seed=1, top_k=top_k),
+        validation=make_split(root / "teacher-eval-test", teacher, n_eval, seed=1, top_k=top_k),
     )
 
 
