@@ -17,7 +17,7 @@ from eval.export import export_draft
 from eval.promote import promote
 from specdec_runtime.tiny import byte_level_tokenizer
 
-TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json", "COMPLETE")
+TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng.json", "trainer_state.json", "COMPLETE")
 # peft 0.21 asks transformers 5 a deprecated question while wrapping a model in the tests; not ours to fix.
 PEFT_WARNING = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 TRAINING_CONFIG = "draft:\n  init: truncate\n  num_layers: 2\ndistill:\n  objective: fkl\n"

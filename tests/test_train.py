@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,7 +194,7 @@ def test_two_step_smoke_run_then_resume(tmp_path, tiny, capsys):
         "tokenizer.json",
         "optimizer.pt",
         "scheduler.pt",
-        "rng.pt",
+        "rng.json",
         "trainer_state.json",
         "config.yaml",
         "COMPLETE",
@@ -244,6 +245,45 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, tiny):
         teacher=teacher,
         tokenizer=tokenizer,
     )
+
+
+class _Payload:
+    """A pickle that runs code when it is loaded: what a crafted rng.pt in a copied run directory would hold."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_resume_never_unpickles_the_rng_states(tmp_path, tiny, capsys):
+    """RNG states are JSON (rng.json); a checkpoint that holds them only as a pickle (rng.pt) is skipped with the
+    reason, and its pickle never runs."""
+    from specdistill.pipeline import distill_candidate
+    from train.checkpoint import read_checkpoint, rng_from_json, rng_state, rng_to_json
+
+    state = rng_state()
+    again = rng_from_json(json.loads(json.dumps(rng_to_json(state))))
+    assert again["python"] == state["python"] and torch.equal(again["torch"], state["torch"])
+    assert all((a == b).all() if hasattr(a, "all") else a == b for a, b in zip(again["numpy"], state["numpy"]))
+
+    teacher, tokenizer, data = tiny
+    cand = distill_candidate(
+        train_config(tmp_path / "run", "train.max_steps=1"), "draft", data, teacher=teacher, tokenizer=tokenizer
+    )
+    step1 = cand / "checkpoints" / "step-000001"
+    assert len(read_checkpoint(step1, adapter=False).rng) == 1
+    marker = tmp_path / "pwned"
+    (step1 / "rng.json").unlink()
+    torch.save([_Payload(str(marker))], step1 / "rng.pt")
+    capsys.readouterr()
+    distill_candidate(
+        train_config(tmp_path / "run", "train.max_steps=2"), "draft", data, teacher=teacher, tokenizer=tokenizer
+    )
+    assert not marker.exists(), "a checkpoint's pickle ran on resume"
+    out = capsys.readouterr().out
+    assert "skipping checkpoint" in out and "rng.pt" in out and "unpickling runs code" in out, out
 
 
 def test_gradient_accumulation_equals_the_big_batch(tmp_path, tiny):

@@ -9,7 +9,8 @@ Layout, with <cand> = <output_dir>/candidates/<name>:
         optimizer.pt, scheduler.pt          torch state dicts (the optimizer's full state, keyed by parameter name)
         optimizer-zero-rankNNN.pt           instead of optimizer.pt under DeepSpeed: ZeRO's partition of each rank,
                                             written by that rank (nothing is gathered on one device or host)
-        rng.pt                              python, numpy, torch and CUDA RNG states, one entry per rank
+        rng.json                            python, numpy, torch and CUDA RNG states, one entry per rank (plain
+                                            JSON: reading it runs no code, unlike a pickle)
         trainer_state.json                  step, data position, best metric, metrics history
         config.yaml                         the resolved config the run was started with
         COMPLETE                            written last: a folder without it is half-written and never resumed
@@ -150,17 +151,36 @@ def rng_state() -> dict:
     return state
 
 
+def rng_to_json(state: dict) -> dict:
+    """One process's RNG states as JSON values (ints and floats only)."""
+    version, internal, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    out = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": state["torch"].tolist(),
+    }
+    return out | ({"cuda": state["cuda"].tolist()} if state.get("cuda") is not None else {})
+
+
+def rng_from_json(data: dict) -> dict:
+    """`rng_to_json`'s output -> the states `set_rng_state` takes; a malformed entry raises (TypeError/ValueError)."""
+    version, internal, gauss = data["python"]
+    name, keys, pos, has_gauss, cached = data["numpy"]
+    state = {
+        "python": (int(version), tuple(int(i) for i in internal), None if gauss is None else float(gauss)),
+        "numpy": (str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.tensor(data["torch"], dtype=torch.uint8),
+    }
+    return state | ({"cuda": torch.tensor(data["cuda"], dtype=torch.uint8)} if "cuda" in data else {})
+
+
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available():
-        if isinstance(cuda, list):  # a checkpoint written with one state per visible device: this device's entry
-            device = torch.cuda.current_device()
-            cuda = cuda[device] if device < len(cuda) else None
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def resume_position(ckpt: Checkpoint, rank: int, world: int, global_batch: int, *, log=print) -> TrainerState:
@@ -235,7 +255,7 @@ def save_checkpoint(
         torch.save(optimizer, tmp / "optimizer.pt")
     write_model_fn(tmp)
     torch.save(scheduler, tmp / "scheduler.pt")
-    torch.save(rng, tmp / "rng.pt")
+    (tmp / "rng.json").write_text(json.dumps([rng_to_json(r) for r in rng]))
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
     (tmp / "config.yaml").write_text(config_yaml)
     (tmp / MARKER).write_text("")
@@ -284,10 +304,10 @@ def read_checkpoint(path: Path, *, adapter: bool, rank: int = 0) -> Checkpoint:
             optimizer = torch.load(path / name, weights_only=True, mmap=True)
         name = "scheduler.pt"
         scheduler = torch.load(path / name, weights_only=True)
-        name = "rng.pt"
-        # numpy's RNG state holds an ndarray, which the weights_only allowlist refuses; this file is one we wrote
-        # ourselves into our own checkpoint folder, so full unpickling is acceptable here (and only here).
-        rng = torch.load(path / name, weights_only=False)
+        name = "rng.json"
+        if (path / "rng.pt").is_file() and not (path / name).is_file():
+            raise ValueError("the RNG states are a pickle (rng.pt, an older format), and unpickling runs code")
+        rng = [rng_from_json(r) for r in json.loads((path / name).read_text())]
         name = "config.yaml"
         config_yaml = (path / name).read_text()
     except Exception as e:  # any unreadable file (truncated, missing, garbage) makes the folder unusable
