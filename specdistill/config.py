@@ -46,8 +46,12 @@ class CandidateConfig:
     """Dotted `draft.*`, `distill.*` or `train.*` keys applied on top of the root config for this candidate."""
 
     def __post_init__(self) -> None:
-        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
-            raise ValueError(f"candidate name {self.name!r} must be non-empty and use only letters, digits, - _ .")
+        # A folder name under candidates/: "." and ".." (and any leading dot) would name another folder or a hidden one.
+        if not self.name or self.name.startswith(".") or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise ValueError(
+                f"candidate name {self.name!r} must be non-empty, use only letters, digits, - _ . and not start with "
+                "a dot: it names the folder candidates/<name>/"
+            )
         bad = [k for k in self.overrides if k.split(".")[0] not in ("draft", "distill", "train")]
         if bad:
             raise ValueError(f"candidate {self.name!r} overrides {bad}: only draft.*, distill.* and train.* keys")

@@ -102,6 +102,16 @@ def test_bad_candidate_override_fails_at_load(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", ""])
+def test_candidate_names_that_are_not_a_plain_folder_name_fail(tmp_path, name):
+    """`..` once wrote into output_dir and overwrote the run's config.yaml: every name is one plain folder."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"candidates:\n  - name: {name!r}\n")
+    with pytest.raises(ConfigError, match="candidates/<name>/"):
+        load_config(path)
+    assert load_config(None, ["candidates=[{name: v1.2_a-b}]"]).candidates[0].name == "v1.2_a-b"
+
+
 # --- bad input -----------------------------------------------------------------------------------------------------
 
 

@@ -464,6 +464,32 @@ def test_run_distill_trains_each_candidate_once(tmp_path, tiny, monkeypatch):
     assert len(trained) == 4
 
 
+def test_done_is_not_trusted_when_best_lost_its_weights(tmp_path, tiny, capsys):
+    """DONE vouches for a whole best/: with its weights truncated or gone, `distill` trains the candidate to its end
+    again (resuming at the last step, which validates anew) instead of skipping it, and eval finds weights."""
+    from safetensors.torch import load_file
+
+    import specdistill.pipeline as pipeline
+    from train.checkpoint import best_is_complete
+
+    teacher, tokenizer, data = tiny
+    cfg = train_config(tmp_path / "run", "train.max_steps=1")
+    best = pipeline.run_distill(cfg, data)["draft"]
+    weights = best / "model.safetensors"
+    good = weights.read_bytes()
+    assert best_is_complete(best)
+    for damage in (lambda: weights.write_bytes(good[: len(good) // 2]), weights.unlink):
+        damage()
+        assert not best_is_complete(best)
+        capsys.readouterr()
+        pipeline.run_distill(cfg, data)
+        assert "already distilled" not in capsys.readouterr().out
+        assert best_is_complete(best) and load_file(weights).keys()
+    capsys.readouterr()
+    pipeline.run_distill(cfg, data)
+    assert "already distilled" in capsys.readouterr().out
+
+
 def test_end_to_end_with_generated_teacher_data(tmp_path, tiny):
     """The data stage's real output (with the top-k cache) feeds an online and a cached candidate."""
     from distill.data import generate_teacher_data

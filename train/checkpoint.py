@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from peft import PeftModel, set_peft_model_state_dict
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from specdec_runtime import atomic
@@ -359,7 +360,23 @@ def write_done(cand: Path, fingerprint: str) -> None:
     atomic.write_text(cand / "DONE", fingerprint)
 
 
+def best_is_complete(best: Path) -> bool:
+    """Whether `best` is what DONE vouches for: an HF folder with a readable config.json and metrics.json and
+    weights whose every safetensors file is whole (its header read, its length covering every tensor)."""
+    try:
+        json.loads((best / "config.json").read_text())
+        json.loads((best / "metrics.json").read_text())
+        weights = sorted(best.glob("*.safetensors"))
+        for path in weights:
+            with safe_open(path, "pt") as f:  # raises on a truncated file (incomplete metadata or data)
+                f.keys()
+        return bool(weights)
+    except (OSError, ValueError, SafetensorError):
+        return False
+
+
 def is_done(cand: Path, fingerprint: str) -> bool:
-    """True when `cand` holds a finished run (best/ and DONE) of the config with this fingerprint."""
+    """True when `cand` holds a finished run of the config with this fingerprint: DONE says so and best/ is whole
+    (a best/ that lost its weights is trained to the end again: the recipe resumes and validates anew)."""
     done = cand / "DONE"
-    return (cand / "best" / "config.json").is_file() and done.is_file() and done.read_text() == fingerprint
+    return done.is_file() and done.read_text() == fingerprint and best_is_complete(cand / "best")

@@ -386,8 +386,9 @@ class DistillRecipe:
                 if state.step % train_cfg.save_every == 0 or state.step == self.total:
                     self.save_checkpoint()
 
-            # 5. Done: best/ exists (a run resumed at its end whose best/ went missing validates again), then DONE.
-            if not (self.cand / "best" / "config.json").is_file():
+            # 5. Done: best/ is whole (a run resumed at its end whose best/ went missing or broke validates again),
+            # then DONE.
+            if not checkpoint.best_is_complete(self.cand / "best"):
                 state.best_metric = None
                 self.validate()
             if self.is_main:
