@@ -29,9 +29,10 @@ EXAMPLES = {
     "eval": "example: specdistill eval configs/quickstart.yaml\n"
     "         specdistill eval --target embedded:smollm2-135m-instruct --drafts runs/quickstart/candidates/"
     "trunc4-fkl --prompts spec_bench.jsonl --out runs/my-eval eval.num_draft_tokens=[2,4]",
-    "promote": "example: specdistill promote runs/quickstart/eval/report.json --dry-run",
+    "promote": "example: specdistill promote runs/quickstart/eval/report.json --dry-run\n"
+    "         specdistill promote runs/my-eval/report.json --serving deploy/serving.yaml --export-dir deploy/drafts",
     "export": "example: specdistill export runs/quickstart/candidates/trunc4-fkl/best runs/quickstart/export/x",
-    "run": "example: specdistill run configs/quickstart.yaml      (data -> distill -> eval -> promote -> export)",
+    "run": "example: specdistill run configs/quickstart.yaml      (data -> distill -> eval -> promote, which exports)",
     "generate": "example: specdistill generate --target embedded:smollm2-135m-instruct --max-new-tokens 64 "
     '"Explain speculative decoding in one sentence."',
 }
@@ -107,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (
         ("data", "generate the teacher's distillation data (resumable)"),
         ("distill", "distill every candidate draft (runs `data` first; resumable)"),
-        ("run", "data -> distill -> eval -> promote -> export, skipping finished stages"),
+        ("run", "data -> distill -> eval -> promote (check, export, serving config), skipping finished stages"),
     ):
         stage = sub.add_parser(
             name, help=text, epilog=EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,10 +134,19 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default=None, help="output folder (default <output_dir>/eval)")
 
     pr = sub.add_parser(
-        "promote", help="write the report's recommendation into the serving config", epilog=EXAMPLES["promote"]
+        "promote",
+        help="check the recommended draft against the target, export it, write the serving config",
+        epilog=EXAMPLES["promote"],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     pr.add_argument("report", help="report.json written by `specdistill eval`")
     pr.add_argument("--serving", default=None, help="serving config to write (default: the run's serving.path)")
+    pr.add_argument(
+        "--export-dir",
+        default=None,
+        help="folder the draft is exported into, as <dir>/<name> (default: the run's <output_dir>/export, else "
+        "export/ next to the serving config)",
+    )
     pr.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
     pr.add_argument("--force", action="store_true", help="replace a serving config that is not valid YAML")
 
@@ -295,23 +305,25 @@ def _stage_config(args: argparse.Namespace):
 
 
 def cmd_data(args: argparse.Namespace) -> None:
-    from specdistill.pipeline import dist_state, print0, stage_data
+    from specdistill.pipeline import dist_state, print0, run_lock, stage_data
 
     cfg = _stage_config(args)
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
-    data = stage_data(cfg, dist)
+    with run_lock(cfg.output_dir, dist):
+        data = stage_data(cfg, dist)
     print0(dist, f"teacher data: train {data.train}, validation {data.validation}")
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
     from specdistill.config import save_resolved
-    from specdistill.pipeline import dist_state, print0, run_distill, stage_data
+    from specdistill.pipeline import dist_state, print0, run_distill, run_lock, stage_data
 
     cfg = _stage_config(args)
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
-    if dist.is_main:
-        save_resolved(cfg, Path(cfg.output_dir) / "config.yaml")
-    dirs = run_distill(cfg, stage_data(cfg, dist))
+    with run_lock(cfg.output_dir, dist):
+        if dist.is_main:
+            save_resolved(cfg, Path(cfg.output_dir) / "config.yaml")
+        dirs = run_distill(cfg, stage_data(cfg, dist))
     for name, path in dirs.items():
         print0(dist, f"candidate {name}: {path}")
 
@@ -319,7 +331,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from eval.sweep import resolve_candidates
     from specdistill.config import load_config
-    from specdistill.pipeline import config_candidates, dist_state, print0, stage_eval
+    from specdistill.pipeline import config_candidates, dist_state, print0, run_lock, stage_eval
 
     overrides = list(args.overrides)
     if args.config and "=" in args.config and not Path(args.config).is_file():  # no CONFIG, only overrides
@@ -331,11 +343,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.config is None and not (args.target and args.drafts):
         raise UserError("eval needs a CONFIG, or --target and --drafts (and usually --prompts and --out)")
     cfg = load_config(args.config, overrides)
-    candidates = resolve_candidates(args.drafts) if args.drafts else config_candidates(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval"
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
-    # A config's own candidates were trained and validated on its data section's prompts: eval refuses those.
-    report = stage_eval(cfg, dist, candidates, out_dir=out, trained_on=None if args.drafts else cfg.data)
+    with run_lock(out if args.out else cfg.output_dir, dist):
+        candidates = resolve_candidates(args.drafts) if args.drafts else config_candidates(cfg)
+        # A config's own candidates were trained and validated on its data section's prompts: eval refuses those.
+        report = stage_eval(cfg, dist, candidates, out_dir=out, trained_on=None if args.drafts else cfg.data)
     print0(dist, f"report: {report} (+ report.md, report.html)")
 
 
@@ -347,9 +360,23 @@ def cmd_promote(args: argparse.Namespace) -> None:
         raise UserError(f"report not found: {report_path} (written by `specdistill eval` as <out>/report.json)")
     run_config = _run_config(report_path)
     serving = Path(args.serving) if args.serving else _default_serving(report_path, run_config)
+    target = (run_config or {}).get("target") or {}
     # The deployment's own target wins: a report made for another model must not be promoted into its config.
-    expected = _serving_target(serving) or (run_config or {}).get("target", {}).get("model")
-    print(promote(report_path, serving, dry_run=args.dry_run, force=args.force, expected_target=expected))
+    expected = _serving_target(serving) or target.get("model")
+    if args.export_dir:
+        export_root = Path(args.export_dir)
+    else:  # where `run` exports: <output_dir>/export/<name>
+        export_root = (report_path.resolve().parent.parent if run_config else serving.parent) / "export"
+    summary = promote(
+        report_path,
+        serving,
+        dry_run=args.dry_run,
+        force=args.force,
+        expected_target=expected,
+        export_root=export_root,
+        trust_remote_code=bool(target.get("trust_remote_code")),
+    )
+    print(summary)
 
 
 def _run_config(report_path: Path) -> dict | None:

@@ -1,15 +1,16 @@
 """The stages the CLI runs, composed from each folder's own entry points, plus `run`: all of them in order.
 
-    data -> distill -> eval -> export -> promote -> report
+    data -> distill -> eval (report) -> promote (check, export the draft, write serving.yaml)
 
 Each stage skips work whose outputs are already complete (teacher data by fingerprint, candidates by their DONE
 marker, eval by a report made with the same config), so rerunning `specdistill run` after a crash continues where
 it stopped. Multi-process launches (torchrun / accelerate launch) split data generation, distillation and eval;
-single-process stages (export, promote) run on rank 0 only.
+the single-process stage (promote, which exports) runs on rank 0 only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -68,6 +69,63 @@ class Dist:
         from accelerate.utils import gather_object
 
         return gather_object([obj])
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every process."""
+        if self.world_size == 1:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj], from_process=0)[0]
+
+
+LOCK_FILE = ".specdistill.lock"  # <output_dir>/.specdistill.lock: "PID HOST" of the run holding it
+
+
+class RunLockedError(ValueError):
+    """Another run holds this output_dir's lock."""
+
+
+@contextlib.contextmanager
+def run_lock(output_dir: str | Path, dist: Dist):
+    """One run per output_dir: rank 0 holds an exclusive lock on <output_dir>/.specdistill.lock for the block, and
+    every process of its launch shares it. A second run (or launch) is refused with the holder's PID before it
+    writes anything. The kernel drops the lock when its process dies (flock), so a file left by a killed run is no
+    obstacle. On NFS, flock needs a client and server that support it (NFSv4 does)."""
+    import fcntl
+    import os
+    import socket
+
+    handle, holder = None, None
+    if dist.is_main:
+        path = Path(output_dir) / LOCK_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")  # held open (and locked) for the whole block
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            handle = None
+        else:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()} {socket.gethostname()}\n")
+            handle.flush()
+    holder = dist.broadcast(holder)
+    if holder is not None:
+        pid, _, host = holder.partition(" ")
+        raise RunLockedError(
+            f"{output_dir} is in use by another specdistill run (PID {pid}{' on ' + host if host else ''}): wait "
+            "for it to finish, or give this run another output_dir=..."
+        )
+    try:
+        yield
+    finally:
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
 
 def dist_state(device: str = "auto", timeout_minutes: float | None = None) -> Dist:
@@ -312,33 +370,25 @@ def serving_path(cfg: RootConfig) -> Path:
 
 
 def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: bool = False) -> tuple[Path | None, str]:
-    """Export the recommended draft to <output_dir>/export/<name> and promote it into the serving config.
+    """`eval.promote.promote` with the run's target and folders, as `specdistill promote` runs it alone: check the
+    report and the draft against the target, export the recommended draft to <output_dir>/export/<name> (a draft
+    that is not enabled too, for inspection), write the serving config. Returns (the export or None, summary).
 
-    Refuses a report made for another target (spec and fingerprint) and a draft whose tokenizer differs. A draft
-    that is not enabled (too slow or too rarely accepted) is still exported for inspection; the serving config then
-    says `enabled: false` with the reason."""
-    from eval.export import export_draft
-    from eval.promote import promote
-    from eval.results import target_fingerprint
-    from specdec_runtime.loading import load_tokenizer
+    `target`: the loaded (model, tokenizer, identity) of cfg.target; None: promote loads its config and tokenizer."""
+    from eval.promote import export_dir_for, promote
 
-    target_model, tokenizer, _ = target or load_target(cfg, dist_state(cfg.target.device, cfg.train.timeout_minutes))
-    report = json.loads(report_path.read_text())
-    rec = report.get("recommendation") or {}
-    exported = Path(cfg.output_dir) / "export" / rec["name"] if rec.get("draft") else None
-    if exported and not rec.get("enabled"):
-        export_draft(Path(rec["draft"]), exported, report=report)
-    draft_tokenizer = load_tokenizer(rec["draft"]) if exported else None
+    export_root = Path(cfg.output_dir) / "export"
     summary = promote(
         report_path,
         serving_path(cfg),
         force=force,
         expected_target=cfg.target.model,
-        expected_fingerprint=target_fingerprint(target_model, tokenizer),
-        target_tokenizer=tokenizer,
-        draft_tokenizer=draft_tokenizer,
-        export_dir=exported if rec.get("enabled") else None,
+        target=target[:2] if target else None,
+        export_root=export_root,
+        trust_remote_code=cfg.target.trust_remote_code,
     )
+    rec = json.loads(report_path.read_text())["recommendation"]
+    exported = export_dir_for(rec, export_root) if rec.get("draft") else None
     return exported, summary
 
 
@@ -378,17 +428,22 @@ def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
 
 
 def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
-    """data -> distill -> eval -> export -> promote -> report, skipping what is complete."""
+    """data -> distill -> eval -> promote (check, export, serving config), skipping what is complete."""
     start = time.time()
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
+    with run_lock(cfg.output_dir, dist):
+        return _run_stages(cfg, dist, start, force=force)
+
+
+def _run_stages(cfg: RootConfig, dist: Dist, start: float, *, force: bool) -> dict:
     out = Path(cfg.output_dir)
     check_prompt_roles(cfg)  # before the target loads: a run that would test on seen prompts never starts
     if dist.is_main:
         save_resolved(cfg, out / "config.yaml")
     target = load_target(cfg, dist)
-    print0(dist, f"[1/5] data -> {out / 'data'}")
+    print0(dist, f"[1/4] data -> {out / 'data'}")
     teacher_data = stage_data(cfg, dist, target)
-    print0(dist, f"[2/5] distill {len(cfg.candidate_configs)} candidate(s) -> {out / 'candidates'}")
+    print0(dist, f"[2/4] distill {len(cfg.candidate_configs)} candidate(s) -> {out / 'candidates'}")
     if shards_a_teacher(cfg):  # freed while those candidates train, loaded again (memory-mapped) for eval
         target = None
         free_memory()
@@ -396,13 +451,13 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     target = target or load_target(cfg, dist)
     report_path = out / "eval" / "report.json"
     if eval_is_current(cfg, report_path):
-        print0(dist, f"[3/5] eval: up to date ({report_path})")
+        print0(dist, f"[3/4] eval: up to date ({report_path})")
     else:
-        print0(dist, f"[3/5] eval -> {out / 'eval'}")
+        print0(dist, f"[3/4] eval -> {out / 'eval'}")
         stage_eval(cfg, dist, config_candidates(cfg), out_dir=out / "eval", target=target, trained_on=cfg.data)
     result = {"report": report_path, "html": out / "eval" / "report.html", "serving": serving_path(cfg)}
     if dist.is_main:
-        print0(dist, "[4/5] export + [5/5] promote")
+        print0(dist, "[4/4] promote: check, export the draft, write the serving config")
         exported, summary = stage_promote(cfg, report_path, target=target, force=force)
         report = json.loads(report_path.read_text())
         result.update(

@@ -193,6 +193,38 @@ def test_rerun_is_a_no_op_and_promote_keeps_history(smoke_run, env, tmp_path):
 # --- bad input -------------------------------------------------------------------------------------------------------
 
 
+def test_a_second_run_on_the_same_output_dir_is_refused_with_the_holders_pid(env, tmp_path):
+    """Two runs writing one output_dir would mix their metrics, timings and promotions: the second is refused before
+    it writes anything, naming the holder; once the holder is gone (killed: no clean exit), the lock is free."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for command in ("data", "distill", "eval", "run"):
+            r = cli_here(command, ROOT / "configs" / "smoke.yaml", f"output_dir={out}", env=env, check=False)
+            assert r.returncode == 2, (command, r.stdout[-2000:], r.stderr[-2000:])
+            assert f"in use by another specdistill run (PID {holder.pid}" in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr and sorted(p.name for p in out.iterdir()) == [".specdistill.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    from specdistill.pipeline import dist_state, run_lock
+
+    with run_lock(out, dist_state("cpu")):  # the dead holder's file is still there; its lock is not
+        assert (out / ".specdistill.lock").read_text().split()[0] == str(os.getpid())
+
+
+HOLD_LOCK = """
+import sys, time
+from specdistill.pipeline import dist_state, run_lock
+with run_lock(sys.argv[1], dist_state("cpu")):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
 def test_promote_refuses_a_report_for_another_target(smoke_run, env, tmp_path):
     serving = tmp_path / "serving.yaml"
     serving.write_text("target: meta-llama/Llama-3.1-8B-Instruct\n")
