@@ -302,14 +302,23 @@ def _generate_split(
     root = out_dir / f"{split}-{key}"
     aux_width = len(aux_layers) * teacher.config.hidden_size if aux_layers else None
     if (root / COMPLETE).is_file():
+        damage = _check_merged(root)  # every rank reads it before rank 0 removes anything
+        if damage is None:
+            if rank == 0:
+                print(f"{split}: cached, {_summary(json.loads((root / COMPLETE).read_text()), root)}")
+            return root
+        if barrier is not None:
+            barrier()
         if rank == 0:
-            print(f"{split}: cached, {_summary(json.loads((root / COMPLETE).read_text()), root)}")
-        return root
+            print(f"{split}: the cached data in {root} is damaged ({damage}); generating it again")
+            shutil.rmtree(root)
+        if barrier is not None:
+            barrier()
 
     rows = [(r, ids, s) for r, ids in zip(records, prompt_ids) for s in range(cfg.num_samples)]
     shards = shard_spans(len(rows), cfg, world_size)
     mine = [shards[i] for i in shards_for_rank(len(shards), rank, world_size)]
-    todo = [(b, span) for b, span in mine if not _shard_done(root / "shards" / shard_name(b), span)]
+    todo = [(b, span) for b, span in mine if not _shard_done(root / "shards" / shard_name(b), span, split)]
     with tqdm(total=sum(span.stop - span.start for _, span in todo), desc=split, unit="seq", disable=rank != 0) as bar:
         for b, span in todo:
             columns = _generate_shard(
@@ -337,10 +346,76 @@ def _generate_split(
     return root
 
 
-def _shard_done(path: Path, span: slice) -> bool:
-    """The shard is written with this layout (another process count lays out other shards, whose leftovers are
-    redone or, unnamed now, dropped with shards/)."""
-    return path.is_dir() and datasets.load_from_disk(str(path)).num_rows == span.stop - span.start
+MANIFEST = "manifest.json"  # in each shard: its row count and the sha256 of each of its files
+
+
+def _shard_done(path: Path, span: slice, split: str) -> bool:
+    """The shard is written, whole (its manifest's rows and checksums), with this layout (another process count
+    lays out other shards, whose leftovers are redone or, unnamed now, dropped with shards/). A damaged shard is
+    removed, said, and generated again."""
+    if not path.is_dir():
+        return False
+    manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else {}
+    damage = _check_files(path, manifest) if "files" in manifest else None  # older shards: rows only
+    rows = _rows(path) if damage is None else None
+    if damage is None and rows != span.stop - span.start:
+        damage = "unreadable" if rows is None else f"{rows} rows where this layout has {span.stop - span.start}"
+    if damage is None:
+        return True
+    print(f"{split}: shard {path.name} is damaged or stale ({damage}); generating it again")
+    shutil.rmtree(path)
+    return False
+
+
+def _file_digests(folder: Path, *, checksums: bool = True) -> dict[str, dict]:
+    """{file name: {bytes[, sha256]}} of the dataset files save_to_disk wrote into `folder`."""
+    out = {}
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name not in (MANIFEST, COMPLETE)):
+        out[path.name] = {"bytes": path.stat().st_size}
+        if checksums:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            out[path.name]["sha256"] = digest.hexdigest()
+    return out
+
+
+def _check_files(folder: Path, record: dict, *, checksums: bool = True) -> str | None:
+    """What is wrong with the files of a dataset folder against its record ({"files": ...}), None if nothing."""
+    for name, want in record["files"].items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {want['bytes']} were written"
+    if checksums:
+        have = _file_digests(folder)
+        bad = [name for name, want in record["files"].items() if have[name]["sha256"] != want["sha256"]]
+        if bad:
+            return f"{bad[0]}'s checksum differs from the one written"
+    return None
+
+
+def _rows(folder: Path) -> int | None:
+    try:
+        return datasets.load_from_disk(str(folder)).num_rows
+    except Exception:  # unreadable: counts as damage, reported by the caller
+        return None
+
+
+def _check_merged(root: Path) -> str | None:
+    """What is wrong with a finished split (COMPLETE written): a file missing or of another size than the merge
+    wrote, or fewer rows than it counted; None if nothing. Sizes, not checksums: a run checks them at every start,
+    and a merged split can hold many GB (the shards' checksums guarded its parts while they were generated)."""
+    record = json.loads((root / COMPLETE).read_text() or "{}")
+    damage = _check_files(root, record, checksums=False) if "files" in record else None  # older splits: rows only
+    if damage is not None:
+        return damage
+    rows = _rows(root)
+    if rows is None:
+        return "unreadable"
+    return f"{rows} readable rows, {record['rows']} were written" if rows != record.get("rows", rows) else None
 
 
 def _generate_shard(
@@ -430,6 +505,7 @@ def _write_atomic(ds: datasets.Dataset, path: Path) -> None:
     """save_to_disk into a staged folder renamed into place: a shard folder either is complete or does not exist."""
     with staged_dir(path) as tmp:
         ds.save_to_disk(str(tmp))
+        write_text(tmp / MANIFEST, json.dumps({"rows": ds.num_rows, "files": _file_digests(tmp)}))
 
 
 def _merge(root: Path, shards: list[str], *, num_prompts: int, num_samples: int, aux_layers=None) -> dict:
@@ -446,6 +522,7 @@ def _merge(root: Path, shards: list[str], *, num_prompts: int, num_samples: int,
     lengths = pc.list_value_length(ds.data.column("input_ids"))
     tokens = pc.sum(lengths).as_py() - pc.sum(ds.data.column("prompt_len")).as_py()
     summary = {"prompts": num_prompts, "samples": num_samples, "rows": len(ds), "response_tokens": tokens}
+    summary["files"] = _file_digests(root, checksums=False)
     if "topk_ids" in ds.column_names:
         summary["cache_bytes_per_token"] = _cache_bytes_per_token(ds.data)
     if AUX_HIDDEN in ds.column_names:  # fp16 values over every position, per response token like the top-k

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -318,6 +319,46 @@ def test_two_ranks_write_their_own_shards_and_rank_0_merges(tiny, tmp_path):
     single = run(tiny, cfg, tmp_path / "single")
     assert load_teacher_data(merged.train).to_list() == load_teacher_data(single.train).to_list()
     assert load_teacher_data(merged.validation).to_list() == load_teacher_data(single.validation).to_list()
+
+
+def test_damaged_teacher_data_is_detected_said_and_regenerated(tiny, tmp_path, capsys):
+    """A truncated merged .arrow is not "cached"; a shard truncated or bit-flipped since an interrupted run is not
+    "done": each is named, generated again, and the result equals an undamaged run's."""
+    cfg = make_cfg(tmp_path, n_train=5, n_eval=1, shard_size=2, batch_size=2, max_new_tokens=4)  # 3 train shards
+    want = load_teacher_data(run(tiny, cfg, tmp_path / "reference").train).to_list()
+    out = tmp_path / "data"
+    root = run(tiny, cfg, out).train
+    (arrow,) = root.glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:-100])
+    capsys.readouterr()
+    again = run(tiny, cfg, out)
+    said = capsys.readouterr().out
+    assert f"the cached data in {root} is damaged ({arrow.name} has" in said and "generating it again" in said, said
+    assert load_teacher_data(again.train).to_list() == want
+
+    # An interrupted run leaves shards; one is truncated, one has a flipped byte, one is whole.
+    shutil.rmtree(root)
+    with pytest.MonkeyPatch.context() as mp:
+        real = data._merge
+        mp.setattr(data, "_merge", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            run(tiny, cfg, out)
+        mp.setattr(data, "_merge", real)
+    shards = sorted((root / "shards").iterdir())
+    assert [p.name for p in shards] == ["shard-00000", "shard-00001", "shard-00002"]
+    (cut,) = shards[0].glob("*.arrow")
+    cut.write_bytes(cut.read_bytes()[:-50])
+    (flip,) = shards[1].glob("*.arrow")
+    raw = bytearray(flip.read_bytes())
+    raw[-60] ^= 0xFF
+    flip.write_bytes(bytes(raw))
+    capsys.readouterr()
+    again = run(tiny, cfg, out)
+    said = capsys.readouterr().out
+    assert f"shard shard-00000 is damaged or stale ({cut.name} has" in said, said
+    assert f"shard shard-00001 is damaged or stale ({flip.name}'s checksum differs" in said, said
+    assert "shard-00002" not in said
+    assert load_teacher_data(again.train).to_list() == want
 
 
 # ----------------------------------------------------------------------------------------------------------------
