@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_args(gen)
     _add_sampling_args(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tree", default=None, help=TREE_HELP)
     gen.add_argument("--no-chat-template", action="store_true", help="feed PROMPT as raw text")
@@ -85,18 +85,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_args(bench)
     bench.add_argument("--prompts", default="builtin:test", help="prompt file or builtin:test")
-    bench.add_argument("--num-prompts", type=int, default=8)
-    bench.add_argument("--num-draft-tokens", type=int, default=4)
+    bench.add_argument("--num-prompts", type=POSITIVE, default=8)
+    bench.add_argument("--num-draft-tokens", type=POSITIVE, default=4)
     bench.add_argument(
         "--tree",
         default=None,
         help="also run a token tree, '4,2,2,1' (branching per depth) or "
         "'dynamic:NODES' (EAGLE-2), reported next to the chain of --num-draft-tokens",
     )
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--repeats", type=int, default=3, help="timed ABBA repeats of the paired A/B (default 3)")
+    bench.add_argument("--max-new-tokens", type=POSITIVE, default=128)
+    bench.add_argument("--temperature", type=_number_in(0, 100), default=0.0)
+    bench.add_argument("--batch-size", type=POSITIVE, default=1)
+    bench.add_argument("--repeats", type=POSITIVE, default=3, help="timed ABBA repeats of the paired A/B (default 3)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", default=None, help="also write the results as JSON here")
     bench.add_argument(
@@ -159,6 +159,39 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _at_least(low: int):
+    """argparse type: an integer >= low, refused with the flag named (argparse adds it) and the bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _number_in(low: float, high: float, *, low_open: bool = False):
+    """argparse type: a number in [low, high] ((low, high] with low_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or value > high:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+        return value
+
+    return parse
+
+
+POSITIVE = _at_least(1)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
@@ -172,16 +205,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="gamma: tokens drafted per target verify step")
+    p.add_argument("--num-draft-tokens", type=POSITIVE, default=4, help="gamma: tokens drafted per target verify step")
     p.add_argument(
         "--draft-rule",
         default="greedy",
         choices=["greedy", "sample"],
         help="greedy: draft proposes its argmax (vLLM default); sample: exact rejection sampling",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--temperature", type=_number_in(0, 100), default=0.0, help="0 = greedy decoding")
+    p.add_argument("--top-k", type=_at_least(0), default=0, help="0 = off")
+    p.add_argument("--top-p", type=_number_in(0, 1, low_open=True), default=1.0, help="1.0 = off")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -209,6 +242,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from specdec_runtime.loading import check_vocab_compatible, load_draft_model, load_model, stop_token_ids
     from specdec_runtime.tree import parse_tree
 
+    if args.tree and not args.draft:
+        raise UserError("--tree needs --draft: a token tree is proposed by a draft model (omit --tree to decode alone)")
     if args.tree:
         parse_tree(args.tree)  # a bad spec fails before the models load
     target, tokenizer = load_model(
@@ -263,6 +298,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     if not args.draft:
         raise UserError("bench needs --draft (the target-only and HF-assisted runs are measured against it)")
+    if args.json and Path(args.json).is_dir():
+        raise UserError(f"--json {args.json} is a folder; give a file path, e.g. {Path(args.json) / 'bench.json'}")
     if args.tree:
         parse_tree(args.tree)  # a bad spec fails before the models load
     target, tokenizer = load_model(

@@ -225,6 +225,26 @@ with run_lock(sys.argv[1], dist_state("cpu")):
 """
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["bench", "--draft", "d", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+        (["bench", "--draft", "d", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+        (["bench", "--draft", "d", "--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),
+        (["bench", "--draft", "d", "--num-draft-tokens", "0"], "argument --num-draft-tokens: must be >= 1, got 0"),
+        (["generate", "--max-new-tokens", "0", "hi"], "argument --max-new-tokens: must be >= 1, got 0"),
+        (["generate", "--top-p", "0", "hi"], "argument --top-p: must be in (0, 1], got 0.0"),
+        (["generate", "--temperature", "-1", "hi"], "argument --temperature: must be in [0, 100], got -1.0"),
+        (["generate", "--tree", "2,1", "hi"], "--tree needs --draft"),
+        (["bench", "--draft", "d", "--json", "{tmp}"], "is a folder; give a file path"),
+    ],
+)
+def test_cli_flags_out_of_range_name_the_flag_before_any_model_loads(argv, says, env, tmp_path):
+    r = cli_here(*[a.format(tmp=tmp_path) for a in argv], env=env, check=False)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "draft=None" not in r.stderr and "tree=None" not in r.stderr
+
+
 def test_promote_refuses_a_report_for_another_target(smoke_run, env, tmp_path):
     serving = tmp_path / "serving.yaml"
     serving.write_text("target: meta-llama/Llama-3.1-8B-Instruct\n")
