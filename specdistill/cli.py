@@ -510,6 +510,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"specdistill: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk filled up (or went read-only) in the middle of a stage
+        import errno
+
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT) or os.environ.get("SPECDISTILL_DEBUG"):
+            raise
+        from specdistill.pipeline import describe_os_error
+
+        print(f"specdistill: error: writing failed: {describe_os_error(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("specdistill: interrupted", file=sys.stderr)
         return 130

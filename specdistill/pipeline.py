@@ -86,6 +86,26 @@ class RunLockedError(ValueError):
     """Another run holds this output_dir's lock."""
 
 
+class OutputDirError(ValueError):
+    """output_dir cannot be written."""
+
+
+def describe_os_error(e: OSError) -> str:
+    """An OSError from writing, said with its cause and the fix (a full disk, a read-only filesystem, a file in the
+    way of a folder)."""
+    import errno
+
+    where = f" ({e.filename})" if e.filename else ""
+    hints = {
+        errno.ENOSPC: "the disk is full: free space there, or point output_dir at another disk",
+        errno.EROFS: "read-only filesystem: point output_dir at a writable folder",
+        errno.EACCES: "permission denied: point output_dir at a folder you can write",
+        errno.EEXIST: "a file is in the way of a folder: remove it or choose another output_dir",
+        errno.ENOTDIR: "a file is in the way of a folder: remove it or choose another output_dir",
+    }
+    return f"{e.strerror or e}{where}; " + hints.get(e.errno, "check the path")
+
+
 @contextlib.contextmanager
 def run_lock(output_dir: str | Path, dist: Dist):
     """One run per output_dir: rank 0 holds an exclusive lock on <output_dir>/.specdistill.lock for the block, and
@@ -99,8 +119,11 @@ def run_lock(output_dir: str | Path, dist: Dist):
     handle, holder = None, None
     if dist.is_main:
         path = Path(output_dir) / LOCK_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a+")  # held open (and locked) for the whole block
+        try:  # the first write of a run: an output_dir that cannot be written fails here, before any model loads
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a+")  # held open (and locked) for the whole block
+        except OSError as e:
+            raise OutputDirError(f"cannot write to output_dir {output_dir}: {describe_os_error(e)}") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -245,6 +245,40 @@ def test_cli_flags_out_of_range_name_the_flag_before_any_model_loads(argv, says,
     assert "Traceback" not in r.stderr and "draft=None" not in r.stderr and "tree=None" not in r.stderr
 
 
+@contextlib.contextmanager
+def small_filesystem(path: Path, *options: str):
+    """A real tmpfs mounted at `path` (size and ro options); skipped where this process may not mount one."""
+    path.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(path)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.decode().strip()[:120]}): needs root with CAP_SYS_ADMIN")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_an_output_dir_that_cannot_be_written_fails_before_any_work_with_one_line(env, tmp_path):
+    smoke = ROOT / "configs" / "smoke.yaml"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    r = cli_here("data", smoke, f"output_dir={blocker}", env=env, check=False)
+    assert r.returncode == 2 and f"cannot write to output_dir {blocker}" in r.stderr, r.stderr
+    assert "a file is in the way" in r.stderr and "Traceback" not in r.stderr
+    assert blocker.read_text() == "mine"
+    with small_filesystem(tmp_path / "ro", "size=1m", "ro") as ro:
+        r = cli_here("distill", smoke, f"output_dir={ro / 'run'}", env=env, check=False)
+        assert r.returncode == 2 and "read-only file system" in r.stderr.lower(), r.stderr
+
+
+def test_a_disk_that_fills_up_mid_stage_says_so_and_leaves_no_temporary_folders(env, tmp_path):
+    with small_filesystem(tmp_path / "full", "size=12k") as full:
+        r = cli("data", ROOT / "configs" / "smoke.yaml", f"output_dir={full / 'run'}", env=env, cwd=ROOT, check=False)
+        assert r.returncode == 2 and "the disk is full" in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr
+        assert not [p for p in full.rglob("*") if p.name.startswith(".tmp-")], sorted(full.rglob("*"))
+
+
 def test_promote_refuses_a_report_for_another_target(smoke_run, env, tmp_path):
     serving = tmp_path / "serving.yaml"
     serving.write_text("target: meta-llama/Llama-3.1-8B-Instruct\n")
