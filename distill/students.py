@@ -61,8 +61,8 @@ class DraftConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_MODULES))
     """Names of the linear modules that get adapters (Llama-family names by default)."""
     aux_layers: list[int] | None = None
-    """eagle3: the 3 target layers whose inputs feed the head (HF output_hidden_states indices, in [1, L - 1]);
-    None = [2, L // 2, L - 3], the default vLLM and SGLang assume."""
+    """eagle3: the 3 target layers whose inputs feed the head (HF output_hidden_states indices in [1, L - 1],
+    ascending); None = [2, L // 2, L - 3], the default vLLM and SGLang assume."""
     draft_vocab_size: int = 8192
     """eagle3: tokens of the draft vocabulary, the most frequent ones of the teacher's responses (clipped to the
     target's vocabulary); counted once per candidate and stored with it, never rebuilt on resume."""
@@ -110,8 +110,15 @@ class DraftConfig:
         if self.aux_layers is not None:
             if self.init != "eagle3":
                 raise ValueError(f"aux_layers is only used by init=eagle3, got init={self.init}")
-            if len(self.aux_layers) != 3 or any(i < 1 for i in self.aux_layers):
-                raise ValueError(f"aux_layers must be 3 layer indices >= 1 (or None), got {self.aux_layers}")
+            if (
+                len(self.aux_layers) != 3
+                or any(i < 1 for i in self.aux_layers)
+                or self.aux_layers != sorted(self.aux_layers)
+            ):
+                raise ValueError(
+                    f"aux_layers must be 3 layer indices >= 1 in ascending order (the serving engines concatenate "
+                    f"them in layer order) or None, got {self.aux_layers}"
+                )
         if self.init == "eagle3" and self.lora:
             raise ValueError("lora does not apply to init=eagle3 (the head is small and trains in full)")
         if self.draft_vocab_size < 1 or self.ttt_depth < 1 or not 0 < self.ttt_decay <= 1:

@@ -1,51 +1,133 @@
 """Speculative decoding settings of the serving engines (vLLM, SGLang, TensorRT-LLM) for a standalone or an EAGLE-3
 draft: the `engines` section of the serving config (DESIGN.md, "Serving config contract") and the snippets of a model
-card.
+card. Each snippet carries what the measured setting depends on (issue 23): the draft and gamma, an EAGLE-3 head's aux
+layers in the engine's own convention, the draft rule, the concurrency cap; `engine_notes` says what an engine cannot
+express and which engine version the snippet assumes.
 
-    engine_snippets("runs/quickstart/export/trunc4-fkl", num_draft_tokens=4)["vllm"]
-    engine_snippets("runs/quickstart/export/eagle3", num_draft_tokens=4, kind="eagle3")["sglang"]
+    setting = ServingSetting("runs/quickstart/export/eagle3", 4, kind="eagle3", aux_layers=(2, 15, 27))
+    engine_snippets(setting)["trtllm"]      # {"speculative_config": {..., "eagle3_layers_to_capture": [1, 14, 26]}}
+    engine_notes(setting)["sglang"]         # ["needs: SGLang with --speculative-algorithm EAGLE3 ...", ...]
 
 The kind picks each engine's method: standalone = vLLM `draft_model`, SGLang `STANDALONE`, TensorRT-LLM
 `DraftTarget`; eagle3 = vLLM `eagle3`, SGLang `EAGLE3` (`EAGLE` would load the head without its fc and serve a
 useless draft), TensorRT-LLM `Eagle3` (shared/EAGLE3.md).
+
+Engine facts, read from the engines' main branches (2026-08) unless a release is named:
+- vLLM `SpeculativeConfig` (vllm/config/speculative.py): `draft_sample_method: greedy | probabilistic` ("greedy"
+  treats the draft as one-hot in rejection sampling, our `greedy` rule; "probabilistic" samples drafts from q, our
+  `sample` rule); `num_speculative_tokens_per_batch_size` ([lo, hi, K] entries, inclusive).
+- TensorRT-LLM `DecodingBaseConfig` / `Eagle3DecodingConfig` (tensorrt_llm/llmapi/llm_args.py): `max_concurrency`
+  (speculation off above it, PyTorch backend only; mutually exclusive with `draft_len_schedule`, into which it is
+  translated), `eagle3_layers_to_capture` (layer outputs: our HF ids minus 1; default {1, L//2-1, L-4}), which it
+  never reads from the head's config.json.
+- SGLang drafts the topk-1 chain by argmax: it has no sampled-draft option to express `sample`.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
+from dataclasses import dataclass
 from typing import Literal
 
 # kind -> (vLLM method, SGLang algorithm, TensorRT-LLM decoding_type)
 METHODS = {"standalone": ("draft_model", "STANDALONE", "DraftTarget"), "eagle3": ("eagle3", "EAGLE3", "Eagle3")}
+ENGINES = ("vllm", "sglang", "trtllm")
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+
+# What each snippet assumes of its engine. A release number is given where one was verified; otherwise the feature
+# and where it was read, since its first release was not verified here (docs/eval-and-serving.md, "Engine versions").
+FLOORS = {
+    ("vllm", "standalone"): "vLLM newer than 0.13.0 with V1 draft models (`method: draft_model`; 0.13.0 refuses it)",
+    ("vllm", "eagle3"): "vLLM V1 with `method: eagle3` reading eagle_aux_hidden_state_layer_ids from the head's "
+    "config.json",
+    ("vllm", "cap"): "`num_speculative_tokens_per_batch_size` (vLLM's dynamic speculative decoding; "
+    "`disable_by_batch_size` is gone)",
+    ("vllm", "sample"): "`draft_sample_method: probabilistic` (read from vLLM main; earlier 2026 releases spelled it "
+    "`rejection_sample_method: probabilistic` and used draft-model probabilities only after vLLM PR #40269: which "
+    "release renamed it was not verified)",
+    ("sglang", "standalone"): "SGLang with `--speculative-algorithm STANDALONE`",
+    ("sglang", "eagle3"): "SGLang with `--speculative-algorithm EAGLE3` reading eagle_config."
+    "eagle_aux_hidden_state_layer_ids from the head's config.json",
+    ("trtllm", "standalone"): "TensorRT-LLM PyTorch backend with DraftTargetDecodingConfig",
+    ("trtllm", "eagle3"): "TensorRT-LLM PyTorch backend with Eagle3DecodingConfig.eagle3_layers_to_capture",
+    ("trtllm", "cap"): "`max_concurrency` on the speculative config (PyTorch backend only)",
+}
 
 
-def engine_snippets(
-    draft: str,
-    num_draft_tokens: int,
-    max_concurrency: int | None = None,
-    kind: Literal["standalone", "eagle3"] = "standalone",
-) -> dict:
-    """Speculative decoding settings for vLLM, SGLang and TensorRT-LLM with `draft` proposing `num_draft_tokens`.
+@dataclass(frozen=True)
+class ServingSetting:
+    """The measured setting an engine must reproduce."""
 
-    max_concurrency: the largest batch size at which the eval confirmed a speedup, when a larger one was measured
-    and failed; vLLM then drafts nothing above it (SGLang and TensorRT-LLM have no such knob: serving.yaml records
-    the limit in `speculative.concurrency_limit`).
-    """
-    if kind not in METHODS:
-        raise ValueError(f"kind must be one of {', '.join(METHODS)}, got {kind!r}")
-    vllm_method, sglang_algorithm, trtllm_type = METHODS[kind]
-    vllm = {"model": draft, "num_speculative_tokens": num_draft_tokens, "method": vllm_method}
-    if max_concurrency is not None:
-        # vLLM's SpeculativeConfig (vllm/config/speculative.py) no longer has `disable_by_batch_size`; its batch-size
-        # schedule `num_speculative_tokens_per_batch_size` takes [batch_lo, batch_hi, K] entries starting at 1, K >= 0,
-        # the last entry's K holding for every larger batch (vllm/v1/spec_decode/dynamic/utils.py:
-        # validate_and_normalize_dynamic_sd_schedule, build_dynamic_sd_schedule_lookup).
-        vllm["num_speculative_tokens_per_batch_size"] = [
-            [1, max_concurrency, num_draft_tokens],
-            [max_concurrency + 1, max_concurrency + 1, 0],
-        ]
+    draft: str
+    """The draft folder the engines load (absolute path of the export) or a hub id."""
+    num_draft_tokens: int
+    """gamma: tokens drafted per verify step."""
+    kind: Literal["standalone", "eagle3"] = "standalone"
+    """standalone LM or EAGLE-3 head."""
+    draft_rule: Literal["greedy", "sample"] = "greedy"
+    """greedy: the draft proposes its argmax (one-hot q); sample: drafts sampled from q, exact rejection sampling."""
+    aux_layers: tuple[int, ...] | None = None
+    """EAGLE-3 only: the target layers the head reads, HF output_hidden_states indices (layer inputs)."""
+    concurrency_limit: int | None = None
+    """Speculation off above this batch size (a larger measured one failed the margin); None: no measured limit."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in METHODS:
+            raise ValueError(f"kind must be one of {', '.join(METHODS)}, got {self.kind!r}")
+        if self.draft_rule not in ("greedy", "sample"):
+            raise ValueError(f"draft_rule must be greedy or sample, got {self.draft_rule!r}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if (self.kind == "eagle3") != (self.aux_layers is not None):
+            raise ValueError(
+                f"aux_layers are the EAGLE-3 head's target layers: required for kind eagle3, none for a standalone "
+                f"draft (kind={self.kind}, aux_layers={self.aux_layers})"
+            )
+        if self.concurrency_limit is not None and self.concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1 or None, got {self.concurrency_limit}")
+
+
+def concurrency_cap(rec: dict) -> int | None:
+    """The batch size above which speculation should be off, from an eval recommendation: its confirmed
+    max_concurrency when a larger measured concurrency failed the margin, else None (no measured limit)."""
+    conf = rec.get("confirmation") or {}
+    limit, measured = conf.get("max_concurrency"), conf.get("measured_concurrency") or []
+    return limit if limit is not None and measured and limit < max(measured) else None
+
+
+def recommended_setting(rec: dict, draft: str, aux_layers: tuple[int, ...] | None = None) -> ServingSetting:
+    """The setting of an eval recommendation (report.json's `recommendation`), served from `draft`; `aux_layers`:
+    an EAGLE-3 head's, as eval measured them."""
+    return ServingSetting(
+        draft=draft,
+        num_draft_tokens=rec["num_draft_tokens"],
+        kind=rec.get("kind", "standalone"),
+        draft_rule=rec.get("draft_rule", "greedy"),
+        aux_layers=aux_layers,
+        concurrency_limit=concurrency_cap(rec),
+    )
+
+
+def engine_snippets(s: ServingSetting) -> dict:
+    """Speculative decoding settings for vLLM, SGLang and TensorRT-LLM reproducing `s`."""
+    vllm_method, sglang_algorithm, trtllm_type = METHODS[s.kind]
+    K = s.num_draft_tokens
+    vllm = {"model": s.draft, "num_speculative_tokens": K, "method": vllm_method}
+    if s.draft_rule == "sample":
+        vllm["draft_sample_method"] = "probabilistic"  # vLLM's default, greedy, is our greedy rule
+    trtllm = {"decoding_type": trtllm_type, "max_draft_len": K, "speculative_model": s.draft}
+    if s.kind == "eagle3":  # TensorRT-LLM captures layer outputs: output i is HF hidden_states[i + 1]
+        trtllm["eagle3_layers_to_capture"] = [i - 1 for i in s.aux_layers]
+    if s.concurrency_limit is not None:
+        cap = s.concurrency_limit
+        # vLLM's batch-size schedule: [batch_lo, batch_hi, K] entries from 1, the last entry's K holding for every
+        # larger batch (vllm/v1/spec_decode/dynamic/utils.py).
+        vllm["num_speculative_tokens_per_batch_size"] = [[1, cap, K], [cap + 1, cap + 1, 0]]
+        trtllm["max_concurrency"] = cap
     return {
-        # vLLM V1 speculation: `vllm serve TARGET --speculative-config '<json of this dict>'`; an EAGLE-3 head reads
-        # the target's hidden states, so vLLM needs `method` to know it (its architecture name alone is not enough).
+        # `vllm serve TARGET --speculative-config '<json of speculative_config>'`; an EAGLE-3 head reads the target's
+        # hidden states, so vLLM needs `method` to know it (its architecture name alone is not enough).
         "vllm": {"speculative_config": vllm},
         # SGLang's STANDALONE and EAGLE3 algorithms draft a chain (topk 1) of num-steps tokens; with topk 1 SGLang
         # requires num-draft-tokens = num-steps + 1 (the verified root plus the drafted chain) and rewrites others.
@@ -53,22 +135,74 @@ def engine_snippets(
             "--speculative-algorithm",
             sglang_algorithm,
             "--speculative-draft-model-path",
-            draft,
+            s.draft,
             "--speculative-num-steps",
-            num_draft_tokens,
+            K,
             "--speculative-eagle-topk",
             1,
             "--speculative-num-draft-tokens",
-            num_draft_tokens + 1,
+            K + 1,
         ],
-        # TensorRT-LLM LLM API / `trtllm-serve --extra_llm_api_options`: DraftTargetDecodingConfig, which its docs
-        # run with the overlap scheduler disabled, or Eagle3DecodingConfig.
+        # TensorRT-LLM LLM API / `trtllm-serve TARGET --config spec.yaml` (`--extra_llm_api_options` is its older
+        # name): DraftTargetDecodingConfig, which its docs run with the overlap scheduler disabled, or
+        # Eagle3DecodingConfig.
         "trtllm": {
-            "speculative_config": {
-                "decoding_type": trtllm_type,
-                "max_draft_len": num_draft_tokens,
-                "speculative_model": draft,
-            },
-            **({"disable_overlap_scheduler": True} if kind == "standalone" else {}),
+            "speculative_config": trtllm,
+            **({"disable_overlap_scheduler": True} if s.kind == "standalone" else {}),
         },
     }
+
+
+def engine_notes(s: ServingSetting) -> dict[str, list[str]]:
+    """Per engine: the version its snippet assumes (`needs: ...`), then every way it departs from the measured
+    setting or needs checking. serving.yaml writes them as comments above each engine, the model card under it."""
+    notes = {e: [f"needs: {FLOORS[e, s.kind]}"] for e in ENGINES}
+    if s.concurrency_limit is not None:
+        notes["vllm"][0] += f"; {FLOORS['vllm', 'cap']}"
+        notes["trtllm"][0] += f"; {FLOORS['trtllm', 'cap']}"
+        notes["sglang"].append(
+            f"no concurrency cap written (no SGLang switch for it was verified): speculation was measured to lose "
+            f"above batch size {s.concurrency_limit}"
+        )
+        if s.kind == "standalone":
+            notes["vllm"].append(
+                "vLLM documents num_speculative_tokens_per_batch_size as tested with EAGLE / EAGLE-3 / DFlash only, "
+                "and as off when data parallelism > 1: check that the cap holds for this draft_model deployment"
+            )
+    if s.draft_rule == "sample":
+        notes["vllm"][0] += f"; {FLOORS['vllm', 'sample']}"
+        for engine in rule_unexpressed(s):
+            notes[engine].append(
+                "drafts greedily (argmax): the measured draft_rule was `sample`, which this snippet cannot express; "
+                "expect the acceptance of the greedy rule here, not the measured one"
+            )
+    return notes
+
+
+def rule_unexpressed(s: ServingSetting) -> list[str]:
+    """Engines whose snippet cannot express the measured draft rule. SGLang drafts by argmax; TensorRT-LLM drafts
+    greedily unless its prototype `use_rejection_sampling` (one-model paths, FlashInfer) is on, which is not
+    written: not verified for these decoding types."""
+    return ["sglang", "trtllm"] if s.draft_rule == "sample" else []
+
+
+def rule_difference(s: ServingSetting) -> str | None:
+    """The sentence serving.yaml's reason adds when an engine cannot serve the measured draft rule, else None."""
+    engines = rule_unexpressed(s)
+    if not engines:
+        return None
+    names = " and ".join(ENGINE_NAMES[e] for e in engines)
+    return (
+        f"Measured with draft_rule sample; vLLM samples drafts the same way (draft_sample_method: probabilistic), "
+        f"{names} draft greedily (argmax), a different rule: their acceptance is the greedy rule's, not the measured "
+        "one."
+    )
+
+
+def speculators_convert_command(draft: str, verifier: str, aux_layers: list[int] | tuple[int, ...]) -> str:
+    """The `speculators convert` command for an EAGLE-3 head: the converter takes the aux ids only from
+    --algorithm-kwargs (never from config.json), so without them a head with custom layers converts to the default
+    ones. --verifier is an HF id or folder; the output goes next to the head, `<draft>-speculators`."""
+    kwargs = json.dumps({"eagle_aux_hidden_state_layer_ids": list(aux_layers)})
+    args = ["speculators", "convert", draft, "--algorithm", "eagle3", "--verifier", verifier]
+    return shlex.join([*args, "--output-path", f"{draft}-speculators", "--algorithm-kwargs", kwargs])

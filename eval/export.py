@@ -10,8 +10,11 @@ the base weights). Output: safetensors weights, config.json, generation_config.j
 is written under a temporary name and renamed (`atomic.staged_dir`), so an interrupted export never looks finished.
 
 An EAGLE-3 head (`draft.init: eagle3`) is already in the layout vLLM and SGLang load (shared/EAGLE3.md): its export is
-a copy of its config.json, model.safetensors and tokenizer files, plus the card, which states the kind, the aux
-layers and the draft vocabulary's coverage.
+its config.json (with the aux layer ids always written, issue 23), model.safetensors and tokenizer files, plus the
+card, which states the kind, the aux layers, the draft vocabulary's coverage and the `speculators convert` command.
+
+The card's serving snippets are the serving config's (`eval.engines`): `specdistill promote` passes the setting it
+promotes; a plain export takes the report's recommendation for this draft, else its best measured gamma.
 """
 
 from __future__ import annotations
@@ -24,9 +27,16 @@ from pathlib import Path
 
 import yaml
 
-from eval.engines import engine_snippets
+from eval.engines import (
+    ENGINE_NAMES,
+    ServingSetting,
+    engine_notes,
+    engine_snippets,
+    recommended_setting,
+    speculators_convert_command,
+)
 from specdec_runtime import atomic
-from specdec_runtime.eagle3 import CONFIG_FILE, WEIGHTS_FILE, is_eagle3_folder
+from specdec_runtime.eagle3 import CONFIG_FILE, WEIGHTS_FILE, aux_layer_keys, default_aux_layers, is_eagle3_folder
 from specdec_runtime.loading import load_checkpoint
 
 # Files of an EAGLE-3 checkpoint copied into its export besides config.json and model.safetensors: the tokenizer's.
@@ -112,30 +122,33 @@ def eval_section(report: dict | None, checkpoint: Path) -> str:
     return "\n".join(lines)
 
 
-def serving_section(snippets: dict, target: str) -> str:
+def serving_section(snippets: dict, notes: dict[str, list[str]], target: str, convert: str | None = None) -> str:
+    """The card's serving commands, each engine's notes under it (`eval.engines.engine_notes`)."""
     vllm = json.dumps(snippets["vllm"]["speculative_config"])
     trtllm = yaml.safe_dump(snippets["trtllm"], sort_keys=False).rstrip()
-    return "\n".join(
-        [
-            "vLLM:",
-            "",
-            "```bash",
-            f"vllm serve {target} --speculative-config '{vllm}'",
-            "```",
-            "",
-            "SGLang:",
-            "",
+    blocks = {
+        "vllm": ["```bash", f"vllm serve {target} --speculative-config '{vllm}'", "```"],
+        "sglang": [
             "```bash",
             f"python -m sglang.launch_server --model-path {target} " + " ".join(map(str, snippets["sglang"])),
             "```",
+        ],
+        "trtllm": ["`trtllm-serve TARGET --config spec.yaml` with this spec.yaml:", "", "```yaml", trtllm, "```"],
+    }
+    lines = []
+    for engine, block in blocks.items():
+        lines += [f"{ENGINE_NAMES[engine]}:", "", *block, "", *(f"- {n}" for n in notes.get(engine, [])), ""]
+    if convert is not None:
+        lines += [
+            "speculators format (vLLM also loads it): the converter reads the aux layers only from "
+            "`--algorithm-kwargs`, never from config.json, so keep them in the command:",
             "",
-            "TensorRT-LLM (`trtllm-serve TARGET --extra_llm_api_options spec.yaml` with this spec.yaml):",
-            "",
-            "```yaml",
-            trtllm,
+            "```bash",
+            convert,
             "```",
+            "",
         ]
-    )
+    return "\n".join(lines).rstrip()
 
 
 def model_card(
@@ -146,8 +159,9 @@ def model_card(
     merged_lora: bool,
     report: dict | None,
     training_config: str | None,
-    serving_snippets: dict,
+    setting: ServingSetting,
     kind_section: str | None = None,
+    convert: str | None = None,
 ) -> str:
     target = (report or {}).get("target", "TARGET")
     return "\n".join(
@@ -180,7 +194,7 @@ def model_card(
             "",
             "## Serving",
             "",
-            serving_section(serving_snippets, target),
+            serving_section(engine_snippets(setting), engine_notes(setting), target, convert),
             "",
         ]
     )
@@ -196,12 +210,8 @@ def _draft_name(checkpoint: Path) -> str:
     return checkpoint.name
 
 
-def _best_gamma(report: dict | None, checkpoint: Path) -> int:
-    """num_draft_tokens for the card's snippets: the recommendation's, else this draft's best measured, else 4."""
-    cand = find_candidate(report, checkpoint) if report else None
-    rec = (report or {}).get("recommendation") or {}
-    if cand and rec.get("name") == cand["name"] and rec.get("num_draft_tokens"):
-        return rec["num_draft_tokens"]
+def _best_gamma(cand: dict | None) -> int:
+    """num_draft_tokens of this draft's best measured speedup, else 4."""
     measured = [s for s in (cand or {}).get("settings", []) if s.get("speedup") is not None]
     return max(measured, key=lambda s: s["speedup"])["num_draft_tokens"] if measured else 4
 
@@ -216,24 +226,24 @@ def export_draft(
     *,
     report: dict | None = None,
     training_config: str | None = None,
-    serving_snippets: dict | None = None,
+    setting: ServingSetting | None = None,
+    target_layers: int | None = None,
 ) -> Path:
     """Write the draft in `checkpoint` as a standalone HF folder at `out_dir` (replacing a previous export there).
 
-    `training_config` (YAML text) defaults to the run's resolved config (`find_training_config`);
-    `serving_snippets` (the `engines` section of the serving config) default to `engine_snippets(out_dir, gamma)`
-    with the recommended gamma.
+    `training_config` (YAML text) defaults to the run's resolved config (`find_training_config`); `setting` (what the
+    card's serving snippets reproduce, its draft the export) defaults to `card_setting`. `target_layers`: the
+    target's layer count, which gives the aux layers of an EAGLE-3 head saved without them (else read from the
+    report's target).
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir).expanduser().resolve()
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
         raise ValueError(f"{out_dir} exists and is not a previous export (no config.json); pick an empty or new folder")
     if is_eagle3_folder(checkpoint):
-        return export_eagle3(checkpoint, out_dir, report, training_config, serving_snippets)
+        return export_eagle3(checkpoint, out_dir, report, training_config, setting, target_layers)
     model, tokenizer, merged = load_checkpoint(checkpoint)
     if training_config is None:
         training_config = find_training_config(checkpoint)
-    if serving_snippets is None:
-        serving_snippets = engine_snippets(str(out_dir), _best_gamma(report, checkpoint))
     with atomic.staged_dir(out_dir) as tmp:
         model.save_pretrained(tmp)  # safetensors, config.json and generation_config.json
         tokenizer.save_pretrained(tmp)
@@ -245,30 +255,47 @@ def export_draft(
                 merged_lora=merged,
                 report=report,
                 training_config=training_config,
-                serving_snippets=serving_snippets,
+                setting=setting or card_setting(report, checkpoint, out_dir),
             )
         )
     return out_dir
+
+
+def card_setting(
+    report: dict | None, checkpoint: Path, out_dir: Path, aux_layers: tuple[int, ...] | None = None
+) -> ServingSetting:
+    """The setting a plain export's card shows: the report's recommendation when it is this draft (gamma, rule,
+    concurrency cap), else this draft's best measured gamma (or 4) with the greedy rule. `aux_layers`: an EAGLE-3
+    head's (None: a standalone draft)."""
+    kind = "standalone" if aux_layers is None else "eagle3"
+    cand = find_candidate(report, checkpoint) if report else None
+    rec = (report or {}).get("recommendation") or {}
+    if cand is not None and rec.get("name") == cand["name"] and rec.get("num_draft_tokens"):
+        return recommended_setting({**rec, "kind": kind}, str(out_dir), aux_layers)
+    return ServingSetting(str(out_dir), _best_gamma(cand), kind, aux_layers=aux_layers)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # EAGLE-3 heads: their files are the export
 
 
-def eagle3_section(checkpoint: Path) -> str:
-    """The card's paragraph on an EAGLE-3 head: kind, aux layers, draft vocabulary and its coverage."""
+def eagle3_section(checkpoint: Path, aux: tuple[int, ...]) -> str:
+    """The card's paragraph on an EAGLE-3 head: kind, aux layers in each engine's convention, draft vocabulary and
+    its coverage."""
     config = json.loads((checkpoint / CONFIG_FILE).read_text())
-    aux = config.get("eagle_aux_hidden_state_layer_ids")
     metrics = checkpoint / "metrics.json"
     coverage = json.loads(metrics.read_text()).get("eval/draft_vocab_coverage") if metrics.is_file() else None
     vocab = checkpoint.parent.parent / "draft_vocab.json"  # a step checkpoint's candidate folder
     if coverage is None and vocab.is_file():
         coverage = json.loads(vocab.read_text()).get("coverage")
+    outputs = [i - 1 for i in aux]
     return (
         "Kind: **eagle3**, an EAGLE-3 head (one decoder layer fed with the target's hidden states; "
-        "architecture LlamaForCausalLMEagle3). It reads the inputs of target layers "
-        + (f"{aux} (HF output_hidden_states indices)" if aux else "[2, L // 2, L - 3] (the engines' default)")
-        + f" and drafts from a {config['draft_vocab_size']}-token vocabulary of the target's {config['vocab_size']} "
+        f"architecture LlamaForCausalLMEagle3). It reads the inputs of target layers {list(aux)} (HF "
+        "output_hidden_states indices: config.json's eagle_aux_hidden_state_layer_ids, which vLLM reads; SGLang reads "
+        f"eagle_config's {outputs}, the outputs of layers {outputs}; TensorRT-LLM reads neither, its snippet below "
+        f"passes eagle3_layers_to_capture {outputs}) and drafts from a {config['draft_vocab_size']}-token vocabulary "
+        f"of the target's {config['vocab_size']} "
         + (
             f"covering {coverage:.2%} of the teacher's training response tokens"
             if coverage is not None
@@ -279,21 +306,50 @@ def eagle3_section(checkpoint: Path) -> str:
     )
 
 
+def head_aux(config: dict, checkpoint: Path, report: dict | None, target_layers: int | None) -> tuple[int, ...]:
+    """The head's aux layers as eval measured them: config.json's ids, or the default for the target's layer count
+    (a head saved before they were always written)."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return tuple(ids)
+    if target_layers is None and report is not None:
+        from specdec_runtime.loading import load_config
+
+        target_layers = load_config(report["target"]).num_hidden_layers
+    if target_layers is None:
+        raise ValueError(
+            f"{checkpoint}/{CONFIG_FILE} names no eagle_aux_hidden_state_layer_ids (a head saved before specdistill "
+            "always wrote them), and the target's layer count that gives the default is unknown: pass the eval "
+            "report (--report), whose target gives it"
+        )
+    return tuple(default_aux_layers(target_layers))
+
+
 def export_eagle3(
-    checkpoint: Path, out_dir: Path, report: dict | None, training_config: str | None, serving_snippets: dict | None
+    checkpoint: Path,
+    out_dir: Path,
+    report: dict | None,
+    training_config: str | None,
+    setting: ServingSetting | None,
+    target_layers: int | None,
 ) -> Path:
-    """Copy the head's files (they are the export) and write its card; see `export_draft`."""
+    """The head's files (they are the export; config.json with its aux layer ids made explicit) and its card; see
+    `export_draft`."""
     from safetensors import safe_open
 
+    config = json.loads((checkpoint / CONFIG_FILE).read_text())
+    aux = head_aux(config, checkpoint, report, target_layers)
+    setting = setting or card_setting(report, checkpoint, out_dir, aux)
     if training_config is None:
         training_config = find_training_config(checkpoint)
-    if serving_snippets is None:
-        serving_snippets = engine_snippets(str(out_dir), _best_gamma(report, checkpoint), kind="eagle3")
     with safe_open(checkpoint / WEIGHTS_FILE, "pt") as f:  # parameters: every tensor but the vocabulary maps
         params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
+    target = (report or {}).get("target")
+    convert = speculators_convert_command(str(out_dir), _verifier(target), aux)
     with atomic.staged_dir(out_dir) as tmp:
+        (tmp / CONFIG_FILE).write_text(json.dumps({**config, **aux_layer_keys(list(aux))}, indent=2) + "\n")
         for path in checkpoint.iterdir():
-            if path.name in (CONFIG_FILE, WEIGHTS_FILE) or path.name.startswith(TOKENIZER_PREFIXES):
+            if path.name == WEIGHTS_FILE or path.name.startswith(TOKENIZER_PREFIXES):
                 shutil.copy2(path, tmp / path.name)
         (tmp / "README.md").write_text(
             model_card(
@@ -303,8 +359,19 @@ def export_eagle3(
                 merged_lora=False,
                 report=report,
                 training_config=training_config,
-                serving_snippets=serving_snippets,
-                kind_section=eagle3_section(checkpoint),
+                setting=setting,
+                kind_section=eagle3_section(checkpoint, aux),
+                convert=convert,
             )
         )
     return out_dir
+
+
+def _verifier(target: str | None) -> str:
+    """`speculators convert --verifier`: an HF id or folder. A local folder as an absolute path; our own specs
+    (embedded:, random:, .gguf) have no such name, so the card says TARGET_HF_FOLDER (their converted folder under
+    $SPECDISTILL_CACHE)."""
+    if not target or target.startswith(("embedded:", "random:")) or target.endswith(".gguf"):
+        return "TARGET_HF_FOLDER"
+    path = Path(target).expanduser()
+    return str(path.resolve()) if path.exists() else target

@@ -3,11 +3,17 @@
     specdistill promote runs/quickstart/eval/report.json                        # -> runs/quickstart/serving.yaml
     specdistill promote runs/quickstart/eval/report.json --serving deploy/serving.yaml --dry-run   # diff only
 
+One path under `specdistill run` and alone (issue 23): `promote` loads what it needs of the target (tokenizer and
+config, unless the caller has the target loaded), refuses a report for another target and a draft whose vocabulary
+differs, exports the draft (`eval.export.export_draft`, the only caller) and writes the serving config, in that
+order: a refusal writes nothing.
+
 The serving file is rewritten as a whole but keeps what it does not own: unknown top-level keys, other engine
 settings and non-speculative SGLang flags survive, and `history` grows by one entry per promotion (newest last).
-Writes go through `specdec_runtime.atomic` (temp file in the same folder, fsync, rename): a crash at any point
-leaves either the old config or the new one. An exclusive `fcntl.flock` on `<serving>.lock` serialises concurrent
-promotions, so both of two simultaneous promotions land in the history.
+Each engine's settings carry comments naming the engine version they assume and what they cannot express
+(`eval.engines.engine_notes`). Writes go through `specdec_runtime.atomic` (temp file in the same folder, fsync,
+rename): a crash at any point leaves either the old config or the new one. An exclusive `fcntl.flock` on
+`<serving>.lock` serialises concurrent promotions, so both of two simultaneous promotions land in the history.
 """
 
 from __future__ import annotations
@@ -17,15 +23,26 @@ import difflib
 import fcntl
 import json
 import os
+import textwrap
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from eval.engines import engine_snippets
-from eval.export import export_draft
+from eval.engines import (
+    ENGINES,
+    ServingSetting,
+    engine_notes,
+    engine_snippets,
+    recommended_setting,
+    rule_difference,
+)
+from eval.export import export_draft, head_aux
 from specdec_runtime import atomic
+from specdec_runtime.eagle3 import CONFIG_FILE, is_eagle3_folder
 
 OWNED_KEYS = ("target", "speculative", "engines", "history")
 HEADER = (
@@ -34,6 +51,28 @@ HEADER = (
     "# smaller one measured) whose confirmed speedup cleared the margin. speculative.concurrency_limit is the cap\n"
     "# (speculation off above it), set only when a larger measured batch size failed; null: no limit was measured.\n"
 )
+ENGINES_HEADER = (
+    "# The comment above each engine names the engine version its settings assume (`needs:`) and where they depart\n"
+    '# from the measured setting (docs/eval-and-serving.md, "Engines").\n'
+)
+
+
+@dataclass
+class TargetView:
+    """What promotion needs of the target: its HF config (fingerprint, vocabulary, layer count) and tokenizer."""
+
+    config: Any
+    tokenizer: Any
+
+
+def load_target_view(spec: str, trust_remote_code: bool = False) -> TargetView:
+    """The target's config and tokenizer, without its weights."""
+    from specdec_runtime.loading import load_config, load_tokenizer
+
+    return TargetView(
+        load_config(spec, trust_remote_code=trust_remote_code),
+        load_tokenizer(spec, trust_remote_code=trust_remote_code),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -101,13 +140,20 @@ def check_report(report: dict, report_path: Path) -> dict:
 def check_target(
     report: dict, report_path: Path, expected_target: str | None, expected_fingerprint: str | None
 ) -> None:
-    """Refuse a report made for another target: the fingerprint decides when both sides have one, else the spec."""
+    """Refuse a report made for another target: the fingerprint decides when both sides have one, else the spec.
+    Without `expected_target` the report's own target is served, and only its fingerprint can differ (its files
+    changed since the eval)."""
     got, got_fp = report.get("target"), report.get("target_fingerprint")
     if expected_fingerprint is not None and got_fp is not None:
+        if expected_fingerprint != got_fp and expected_target is None:
+            raise ValueError(
+                f"{report_path} was made for target {got!r} with fingerprint {got_fp}; {got!r} now has fingerprint "
+                f"{expected_fingerprint} (its vocabulary or architecture changed): re-run eval against it"
+            )
         if expected_fingerprint != got_fp:
             raise ValueError(
                 f"{report_path} was made for target {got!r} (fingerprint {got_fp}), not for "
-                f"{expected_target or 'the serving target'!r} (fingerprint {expected_fingerprint}): "
+                f"{expected_target!r} (fingerprint {expected_fingerprint}): "
                 "its vocabulary or architecture differ; re-run eval against this target"
             )
         return
@@ -127,13 +173,25 @@ def _same_spec(a: str, b: str | None) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
-def check_vocab(rec: dict, target_tokenizer, draft_tokenizer) -> None:
-    """Raise VocabMismatchError (a ValueError) when the draft's token ids mean other text to the target."""
-    from specdec_runtime.loading import check_vocab_compatible
+def check_draft(rec: dict, target: TargetView) -> None:
+    """Refuse a draft whose token ids mean other text to the target (VocabMismatchError, a ValueError): a standalone
+    draft's tokenizer is checked against the target's; an EAGLE-3 head uses the target's ids and embeddings by
+    construction, so its vocabulary and width must be the target's (and a tokenizer saved with it must agree)."""
+    from specdec_runtime.loading import check_vocab_compatible, load_tokenizer
 
-    config = Path(rec["draft"]) / "config.json"
-    vocab_size = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
-    check_vocab_compatible(target_tokenizer, draft_tokenizer, vocab_size)
+    folder = Path(rec["draft"])
+    config = json.loads((folder / CONFIG_FILE).read_text()) if (folder / CONFIG_FILE).is_file() else {}
+    if is_eagle3_folder(folder):
+        want = (target.config.vocab_size, target.config.hidden_size)
+        if (config.get("vocab_size"), config.get("hidden_size")) != want:
+            raise ValueError(
+                f"the EAGLE-3 head {folder} has vocab_size {config.get('vocab_size')}, hidden_size "
+                f"{config.get('hidden_size')}; the target has {want[0]}, {want[1]}: it was trained for another "
+                "target; promote it into that target's serving config"
+            )
+        if not (folder / "tokenizer_config.json").is_file():
+            return
+    check_vocab_compatible(target.tokenizer, load_tokenizer(str(folder)), config.get("vocab_size"))
 
 
 def _path_or_spec(value: str | Path) -> str:
@@ -146,24 +204,26 @@ MEASURED_KEYS = ("acceptance_rate", "mean_accepted_length", "speedup", "speedup_
 """The confirmation's numbers serving.yaml's `measured` copies under their report names."""
 
 
-def concurrency_cap(rec: dict) -> int | None:
-    """The batch size above which speculation should be off: the confirmed max_concurrency when a larger measured
-    concurrency failed the margin, else None (no measured limit)."""
-    conf = rec.get("confirmation") or {}
-    limit, measured = conf.get("max_concurrency"), conf.get("measured_concurrency") or []
-    return limit if limit is not None and measured and limit < max(measured) else None
+def serving_setting(rec: dict, draft: str, num_target_layers: int) -> ServingSetting:
+    """What the engines must reproduce of an enabled recommendation, served from `draft` (the export's path)."""
+    folder, aux = Path(rec["draft"]), None
+    if is_eagle3_folder(folder):  # the folder decides the kind; the layers eval measured: config.json's or the default
+        aux = head_aux(json.loads((folder / CONFIG_FILE).read_text()), folder, None, num_target_layers)
+    return recommended_setting({**rec, "kind": "eagle3" if aux else "standalone"}, draft, aux)
 
 
-def serving_snippets(rec: dict, draft: str) -> dict:
-    """The engines' settings for an enabled recommendation."""
-    return engine_snippets(draft, rec["num_draft_tokens"], concurrency_cap(rec), kind=rec.get("kind", "standalone"))
+def export_dir_for(rec: dict, export_root: Path) -> Path:
+    """<export_root>/<the recommendation's name> (the draft folder's name when the report names none)."""
+    return Path(export_root).expanduser().resolve() / (rec.get("name") or Path(rec["draft"]).name)
 
 
-def build_serving(old: dict, report: dict, report_path: Path, draft: str | None, now: str) -> dict:
+def build_serving(old: dict, report: dict, report_path: Path, setting: ServingSetting | None, now: str) -> dict:
     """The new serving config: `old` with target, speculative and engines replaced and one history entry added.
-    `measured` holds the confirmation split's numbers (the ones the decision was made on), with their interval."""
+    `measured` holds the confirmation split's numbers (the ones the decision was made on), with their interval;
+    `setting` is None when the recommendation is not enabled."""
     rec = report["recommendation"]
     conf = rec["confirmation"]
+    draft = setting.draft if setting is not None else None
     # The report's max_concurrency is serving.yaml's max_concurrency_measured: next to concurrency_limit, the cap,
     # a measured value must not read like one (docs/metrics.md).
     measured = {k: conf.get(k) for k in MEASURED_KEYS} | {
@@ -176,16 +236,16 @@ def build_serving(old: dict, report: dict, report_path: Path, draft: str | None,
         speculative = {
             "enabled": True,
             "draft": draft,
-            "kind": rec.get("kind", "standalone"),
-            "num_draft_tokens": rec["num_draft_tokens"],
-            "draft_rule": rec["draft_rule"],
+            "kind": setting.kind,
+            "num_draft_tokens": setting.num_draft_tokens,
+            "draft_rule": setting.draft_rule,
             "temperature": rec.get("temperature"),
             "max_concurrency_measured": measured["max_concurrency_measured"],
-            "concurrency_limit": concurrency_cap(rec),
+            "concurrency_limit": setting.concurrency_limit,
             "measured": measured,
-            "reason": rec["reason"],
+            "reason": _with_difference(rec["reason"], rule_difference(setting)),
         }
-        engines = _merge_engines(old.get("engines"), serving_snippets(rec, draft))
+        engines = _merge_engines(old.get("engines"), engine_snippets(setting))
     else:
         speculative = {"enabled": False, "reason": rec["reason"], "measured": measured}
         engines = _merge_engines(old.get("engines"), None)
@@ -246,8 +306,24 @@ def locked(path: Path):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def dump_serving(config: dict) -> str:
-    return HEADER + yaml.safe_dump(config, sort_keys=False, default_flow_style=False, allow_unicode=True)
+def _with_difference(reason: str, difference: str | None) -> str:
+    return reason if difference is None else f"{reason.rstrip('.')}. {difference}"
+
+
+def dump_serving(config: dict, notes: dict[str, list[str]] | None = None) -> str:
+    """The file's text: the header, then the YAML with each engine's `notes` as comments above its key."""
+    text = yaml.safe_dump(config, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    if not notes:
+        return HEADER + text
+    lines, in_engines = [], False
+    for line in text.splitlines(keepends=True):
+        in_engines = line.startswith("engines:") or (in_engines and line.startswith(" "))
+        key = line.strip().removesuffix(":")
+        if in_engines and line.startswith("  ") and not line.startswith("   ") and key in ENGINES:
+            for note in notes.get(key, []):
+                lines += [f"  # {part}\n" for part in textwrap.wrap(note, 114, subsequent_indent="  ")]
+        lines.append(line)
+    return HEADER + ENGINES_HEADER + "".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -260,33 +336,51 @@ def promote(
     *,
     dry_run: bool = False,
     force: bool = False,
-    target_tokenizer=None,
-    draft_tokenizer=None,
     expected_target: str | None = None,
-    expected_fingerprint: str | None = None,
-    export_dir: Path | None = None,
+    target: tuple | None = None,
+    export_root: Path | None = None,
+    trust_remote_code: bool = False,
 ) -> str:
     """Write the report's recommendation into `serving_path`; returns a one-line summary, or with `dry_run` the
-    unified diff of old vs new (nothing written).
+    unified diff of old vs new (nothing written, nothing exported).
 
-    Refuses (ValueError) a report for another target (`expected_target` spec, or `expected_fingerprint` =
-    `eval.results.target_fingerprint(target, tokenizer)`), a draft whose vocabulary differs from the target's (when
-    both tokenizers are given), and an existing serving file that is not a YAML mapping (unless `force`).
-    With `export_dir`, the draft is exported there (`eval.export.export_draft`) and the config points to it.
+    The serving target is `expected_target` (the deployment's or the run's spec), else the report's own. `target`:
+    its (model or config holder, tokenizer), already loaded (`run` passes its own); else its config and tokenizer are
+    loaded here. Refuses (ValueError), before writing anything: a report that is not a finished eval, a report made
+    for another target (by fingerprint when both sides have one, else by spec), an enabled draft whose vocabulary
+    differs from the target's (`check_draft`), an existing serving file that is not a YAML mapping (unless `force`).
+    With `export_root`, the recommended draft (enabled or not: a disabled one for inspection) is exported to
+    `export_root/<name>` and an enabled one is served from there, its model card holding the same engine settings.
     """
+    from eval.results import target_fingerprint
+    from specdec_runtime.loading import ModelLoadError
+
     report_path, serving_path = Path(report_path), Path(serving_path)
     report = json.loads(report_path.read_text())
     rec = check_report(report, report_path)
-    check_target(report, report_path, expected_target, expected_fingerprint)
-    if rec["enabled"] and target_tokenizer is not None and draft_tokenizer is not None:
-        check_vocab(rec, target_tokenizer, draft_tokenizer)
-    draft = None
+    if target is None:
+        try:
+            view = load_target_view(expected_target or report["target"], trust_remote_code)
+        except ModelLoadError:
+            check_target(report, report_path, expected_target, None)  # another target's report says so first
+            raise
+    else:
+        view = TargetView(target[0].config, target[1])
+    check_target(report, report_path, expected_target, target_fingerprint(view, view.tokenizer))
     if rec["enabled"]:
-        draft = str(Path(export_dir).expanduser().resolve()) if export_dir else _path_or_spec(rec["draft"])
+        check_draft(rec, view)
+    if not (force or dry_run):
+        read_serving(serving_path, force=False)  # a broken serving file is refused before the export is written
+    export_dir = export_dir_for(rec, export_root) if export_root is not None and rec.get("draft") else None
+    setting, notes = None, None
+    if rec["enabled"]:
+        draft = str(export_dir) if export_dir is not None else _path_or_spec(rec["draft"])
+        setting = serving_setting(rec, draft, view.config.num_hidden_layers)
+        notes = engine_notes(setting)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     if dry_run:
         old_text, old = _read_lenient(serving_path) if force else read_serving(serving_path, force=False)
-        new_text = dump_serving(build_serving(old, report, report_path, draft, now))
+        new_text = dump_serving(build_serving(old, report, report_path, setting, now), notes)
         return "".join(
             difflib.unified_diff(
                 old_text.splitlines(keepends=True),
@@ -295,13 +389,14 @@ def promote(
                 tofile=f"{serving_path} (promoted)",
             )
         )
-    if rec["enabled"] and export_dir is not None:
-        export_draft(Path(rec["draft"]), Path(export_dir), report=report, serving_snippets=serving_snippets(rec, draft))
+    if export_dir is not None:
+        layers = view.config.num_hidden_layers
+        export_draft(Path(rec["draft"]), export_dir, report=report, setting=setting, target_layers=layers)
     serving_path.parent.mkdir(parents=True, exist_ok=True)
     with locked(serving_path):
         _, old = read_serving(serving_path, force)
-        new = build_serving(old, report, report_path, draft, now)
-        atomic.write_text(serving_path, dump_serving(new))
+        new = build_serving(old, report, report_path, setting, now)
+        atomic.write_text(serving_path, dump_serving(new, notes))
     if not rec["enabled"]:
         return f"speculative decoding disabled in {serving_path}: {rec['reason']}"
     replaced, speedup, ci = (
@@ -310,7 +405,7 @@ def promote(
         rec["confirmation"].get("speedup_ci"),
     )
     return (
-        f"promoted {rec.get('name', draft)} ({draft}, num_draft_tokens={rec['num_draft_tokens']}"
+        f"promoted {rec.get('name', setting.draft)} ({setting.draft}, num_draft_tokens={rec['num_draft_tokens']}"
         + (f", confirmed speedup {speedup:.2f}x" if isinstance(speedup, (int, float)) else "")
         + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
         + f") into {serving_path}"

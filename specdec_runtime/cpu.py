@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .llama import Llama, LlamaArgs
+from .llama import Llama, LlamaArgs, grouped_attention
 
 __all__ = [
     "CPU_BACKEND",
@@ -122,8 +122,7 @@ class CpuAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor):
         """mask (B, 1, T, W): the first W cache slots (W <= S) are the ones any query of this forward may see."""
         B, T, _ = x.shape
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        G, W = H // Hkv, mask.shape[-1]
+        H, Hkv, D, W = self.n_heads, self.n_kv_heads, self.head_dim, mask.shape[-1]
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D)
         qk = rope(qkv[:, :, : H + Hkv], cos, sin)  # q and k rotated in one go
         q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :]
@@ -132,12 +131,7 @@ class CpuAttention(nn.Module):
         self.v_cache[rows, slots] = v.to(self.v_cache.dtype)
         keys = self.k_cache[:B, :W].transpose(1, 2)  # (B, Hkv, W, D): a view, no copy
         values = self.v_cache[:B, :W].transpose(1, 2)
-        # query head h = kv head h // G (HF's repeat_kv order): (B, T, Hkv, G, D) -> (B, Hkv, G * T, D)
-        qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D).to(keys.dtype)
-        mg = mask[:, :, None].expand(B, 1, G, T, W).reshape(B, 1, G * T, W)
-        y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg)  # (B, Hkv, G * T, D)
-        y = y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-        return self.o_proj(y)
+        return self.o_proj(grouped_attention(q.to(keys.dtype), keys, values, mask))
 
 
 class CpuMLP(nn.Module):
@@ -188,7 +182,7 @@ def cpu_eagle3(head: nn.Module, dtype: torch.dtype) -> nn.Module:
             if isinstance(child, nn.Linear):
                 setattr(module, name, FusedLinear([child], dtype))
     fast.cpu_fast = True
-    return fast.eval()
+    return fast.eval().requires_grad_(False)  # the norms stay Parameters: inference only, as `Llama.from_hf`
 
 
 def compile_steps(model: Llama) -> Llama:

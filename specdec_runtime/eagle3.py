@@ -58,13 +58,27 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 
 def check_aux_layers(layers: list[int], num_layers: int) -> None:
-    """Three layer-input indices in [1, L - 1]: index 0 (the embeddings) has no residual in vLLM / SGLang, and L
-    (the final, normed output) is not a layer input."""
-    if len(layers) != 3 or any(not 1 <= i <= num_layers - 1 for i in layers):
+    """Three layer-input indices in [1, L - 1], in ascending order: index 0 (the embeddings) has no residual in vLLM /
+    SGLang, L (the final, normed output) is not a layer input, and the engines concatenate the captured states in
+    layer order whatever order a config lists them in (fc's column blocks would be read in another order). The
+    engines' own default is taken as it is (below 6 layers it is not ascending: [2, 2, 1] for 4)."""
+    unordered = list(layers) != sorted(layers) and list(layers) != default_aux_layers(num_layers)
+    if len(layers) != 3 or any(not 1 <= i <= num_layers - 1 for i in layers) or unordered:
         raise ValueError(
             f"EAGLE-3 takes exactly 3 aux layers, HF output_hidden_states indices in [1, {num_layers - 1}] for a "
-            f"{num_layers}-layer target; got {layers}"
+            f"{num_layers}-layer target, in ascending order (the engines' order); got {layers}"
         )
+
+
+def aux_layer_keys(aux_layers: list[int]) -> dict:
+    """The config.json keys naming the aux layers, written whatever the layers (default ones too: without them vLLM
+    guesses per architecture, issue 23): vLLM reads layer-input indices; SGLang captures after layer i, so its
+    `eagle_config` takes the same ids minus 1. TensorRT-LLM reads neither (`eval.engines` writes its snippet)."""
+    aux = [int(i) for i in aux_layers]
+    return {
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]},
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,11 +116,8 @@ def draft_config(
         "rope_theta": rope.get("rope_theta", 10000.0),
         "rope_scaling": legacy_scaling,
         "torch_dtype": dtype,
+        **aux_layer_keys(aux),
     }
-    if aux != default_aux_layers(L):
-        # vLLM reads layer-input indices; SGLang captures after layer i, so it takes the same ids minus 1.
-        config["eagle_aux_hidden_state_layer_ids"] = aux
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
     return config
 
 
@@ -194,6 +205,36 @@ def ttt_mask(T: int, step: int, device: torch.device) -> Tensor:
     return torch.cat([causal_mask(T, T, device), *([eye] * step)], dim=1)
 
 
+def folded_gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """`scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)` with the G = Hq / KV query heads of
+    each key head folded into its query rows: q (B, Hq, T, D), k and v (B, KV, S, D), mask (T, S) or (B, 1, T, S)
+    bool -> (B, Hq, T, D). With a mask, GQA leaves CUDA only the math kernel (flash takes no mask, the
+    memory-efficient one no GQA in torch 2.13's documentation), whose fp32 (B, Hq, T, S) scores backward keeps:
+    ~30 GB for an 8B target's head at batch 4 x 2048 and ttt_depth 5. Equal head counts and a plain mask are what
+    the memory-efficient kernel takes, without copying the keys and values (docs/runtime.md)."""
+    B, Hq, T, D = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    G = Hq // KV
+    q = q.reshape(B, KV, G * T, D)  # query head h reads key head h // G, as SDPA's enable_gqa does
+    mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], G, T, S).reshape(*mask.shape[:-2], G * T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, Hq, T, D)
+
+
+class Eagle3Rotary(LlamaRotaryEmbedding):
+    """HF's Llama rotary embedding (cos / sin computed in fp32, returned in the input's dtype) whose frequencies stay
+    fp32 through any cast of the head: `.to(torch.bfloat16)`, `.bfloat16()`, `.half()`, DeepSpeed 0.19.0-0.19.2's
+    `module.bfloat16()` (0.19.3+ casts parameters only). bf16 would round them by up to 2^-9 relative, ~2e-3 rad per
+    token of distance, and vLLM / SGLang serve the head with fp32 frequencies (issue 22); `Llama.from_hf` keeps the
+    target's fp32 the same way."""
+
+    def _apply(self, fn, recurse=True):
+        fp32 = {name: self._buffers[name] for name in ("inv_freq", "original_inv_freq")}
+        super()._apply(fn, recurse)
+        for name, freqs in fp32.items():  # wherever `fn` moved the buffer, with the fp32 values
+            self._buffers[name] = freqs.to(self._buffers[name].device)
+        return self
+
+
 class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v read the 2H-wide [embeds, hidden] input; o_proj writes H."""
 
@@ -215,7 +256,14 @@ class Eagle3Attention(nn.Module):
         k, v = cache.append(k, v)  # (B, KV, S, D)
         if mask is None:
             mask = causal_mask(T, k.shape[2], x.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        gqa = self.heads != self.kv_heads
+        # Training, and every call on CUDA (validation and drafting too: an 8B head's validation at batch 4 x 2048
+        # would otherwise hold fp32 (B, Hq, T, S) scores in the math kernel): the form the memory-efficient kernel
+        # takes (`folded_gqa_attention`). On the CPU without autograd, SDPA's fused CPU kernel takes GQA with a mask.
+        if gqa and (q.requires_grad or q.is_cuda):
+            out = folded_gqa_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
 
 
@@ -252,7 +300,7 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(llama.vocab_size, dtype=torch.bool))
-        self.rotary = LlamaRotaryEmbedding(llama)  # inv_freq is a non-persistent buffer: not in the weights
+        self.rotary = Eagle3Rotary(llama)  # inv_freq: a non-persistent fp32 buffer, not in the weights
         self.cpu_fast = False  # True: a `cpu.cpu_eagle3` copy, its linears laid out once for the CPU
 
     @property
@@ -265,7 +313,8 @@ class Eagle3Draft(nn.Module):
         return self.fc.weight.dtype
 
     def aux_layers(self, num_target_layers: int) -> list[int]:
-        """The target layers this draft reads: the config's ids, or the engines' default when it names none."""
+        """The target layers this draft reads: the config's ids, or the engines' default for a head saved before
+        they were always written (issue 23)."""
         return self.export_config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(num_target_layers)
 
     def forward(

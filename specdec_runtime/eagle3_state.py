@@ -141,9 +141,9 @@ class AuxTargetState:
         index = positions.clamp(0, self.max_len)[..., None].expand(-1, -1, self.feats.shape[-1])
         return self.feats.gather(1, index)
 
-    def extend(self, tokens: Tensor, counts: Tensor, last_only: bool = False) -> Tensor:
+    def extend(self, tokens: Tensor, counts: Tensor, last_only: bool = False, new_rows: int | None = None) -> Tensor:
         valid, positions = hole_layout(counts, self.state.lengths, tokens.shape[1])
-        logits = self.state.extend(tokens, counts, last_only)
+        logits = self.state.extend(tokens, counts, last_only, new_rows)
         self._write(positions, valid, self.capture.read(*tokens.shape))
         return logits
 
@@ -173,6 +173,11 @@ class AuxTargetState:
 
 
 # ------------------------------------------------------------------------------------------------- the draft's side
+
+
+def reads_are_free(device: torch.device) -> bool:
+    """Whether reading a tensor back to the host costs nothing: on the CPU there is no device to wait for."""
+    return device.type == "cpu"
 
 
 class SlotCache:
@@ -218,23 +223,28 @@ class Eagle3State:
     def _hidden(self, r: Tensor, from_target: Tensor) -> Tensor:
         """Rows r (B, R) -> their hidden states (B, R, H): fc(target features of r), or row r - 1's pre-norm."""
         own = self.pre.gather(1, (r - 1).clamp_min(0)[..., None].expand(-1, -1, self.pre.shape[-1]))
-        # A drafting step computes fc (3H -> H) for nothing; skipping it costs a host sync, free on the CPU only (CUDA
-        # keeps its one sync per draft forward).
-        if r.device.type == "cpu" and not bool(from_target.any()):
+        # A drafting step computes fc (3H -> H) for nothing; skipping it takes a host read, free on the CPU only (CUDA
+        # computes fc rather than wait for the device).
+        if reads_are_free(r.device) and not bool(from_target.any()):
             return own
         features = self.target.features(r).to(self.model.compute_dtype)
         return torch.where(from_target[..., None], self.model.fc(features), own)
 
-    def extend(self, tokens: Tensor, counts: Tensor, last_only: bool = False) -> Tensor:
-        if not last_only:
-            raise ValueError("an EAGLE-3 draft state returns the last fed token's logits only (last_only=True)")
+    def extend(self, tokens: Tensor, counts: Tensor, last_only: bool = False, new_rows: int | None = None) -> Tensor:
+        """new_rows: R, the most rows any batch row computes (kv.py), from the engine: reading it off the device
+        would cost a host sync per draft forward."""
+        if not last_only or new_rows is None:
+            raise ValueError(
+                "an EAGLE-3 draft state returns the last fed token's logits only (last_only=True) and takes the most "
+                "rows a batch row computes from its caller (new_rows=R)"
+            )
         B, T = tokens.shape
         valid, positions = hole_layout(counts, self.lengths, T)
         rows_idx = torch.arange(B, device=tokens.device)[:, None]
         self.tokens[rows_idx, torch.where(valid, positions, self.S - 1)] = tokens
         self.lengths = self.lengths + counts
         new = (self.lengths - 1 - self.rows).clamp_min(0)  # (B,) rows to compute: rows .. lengths - 2
-        R = int(new.max())
+        R = new_rows  # >= max(new); rows with fewer are padded on the left, like holes
         if R == 0:  # one-token prompts at prefill: no row has a next token yet
             return torch.zeros(B, 1, self.model.target_vocab, device=tokens.device)
         live, r = hole_layout(new, self.rows, R)  # (B, R) right-aligned rows

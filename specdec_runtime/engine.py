@@ -93,7 +93,7 @@ def validate_request(
     if longest + max_new_tokens + gamma > window:
         raise ValueError(
             f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} + num_draft_tokens={gamma} exceeds the "
-            f"context window of {window} positions; shorten the prompt or lower max_new_tokens"
+            f"context window of {window} positions; shorten the prompt, or lower max_new_tokens or num_draft_tokens"
         )
 
 
@@ -111,7 +111,7 @@ def _draw(logits: torch.Tensor, dec: Decoding) -> tuple[torch.Tensor, torch.Tens
 
 def draft_chain(dec: Decoding, feed: Feed, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft gamma tokens per row after feeding its pending tokens -> x (B, G) and proposal probs q (B, G, V)."""
-    logits = dec.draft.extend(feed.draft_tokens, feed.draft_counts, last_only=True)[:, -1]  # (B, V)
+    logits = dec.draft.extend(feed.draft_tokens, feed.draft_counts, last_only=True, new_rows=feed.draft_rows)[:, -1]
     ones = torch.ones_like(feed.draft_counts)
     xs, qs = [], []
     for k in range(gamma):
@@ -119,7 +119,7 @@ def draft_chain(dec: Decoding, feed: Feed, gamma: int) -> tuple[torch.Tensor, to
         xs.append(x)
         qs.append(q)
         if k + 1 < gamma:  # no forward for the last draft: if the target accepts it, the next step feeds it
-            logits = dec.draft.extend(x[:, None], ones, last_only=True)[:, -1]
+            logits = dec.draft.extend(x[:, None], ones, last_only=True, new_rows=1)[:, -1]
     return torch.stack(xs, 1), torch.stack(qs, 1)
 
 
@@ -163,8 +163,8 @@ def _prefill(dec: Decoding, prompts: Sequence[Sequence[int]], dev: torch.device)
     tokens, counts = _left_pad(prompts, dev)
     logits = dec.target.extend(tokens, counts, last_only=True)[:, -1]  # (B, V)
     first = sample(warp_logits(logits, dec.sampling), dec.generator, dec.sampling.greedy)  # target-only sampling
-    if dec.draft is not None:
-        dec.draft.extend(tokens, counts, last_only=True)
+    if dec.draft is not None:  # an EAGLE-3 head computes a row per prompt token but the last (the longest: T - 1)
+        dec.draft.extend(tokens, counts, last_only=True, new_rows=tokens.shape[1] - 1)
     return first
 
 
@@ -304,13 +304,16 @@ def generate(
                 tokens, count, stopped = _emit(verdict, stop_ids, room)  # (B, G+1), (B,), (B,)
                 out.write(rows, tokens, count)
                 out.tally(rows, verdict.n)
-                flags = torch.stack([stopped | (count >= room), feed.draft_counts == 2]).tolist()  # one host sync
+                flags = torch.stack([stopped | (count >= room), feed.draft_counts == 2, verdict.n])
+                finished, two, accepted = flags.tolist()  # the step's one host sync
                 now = wall()
-                for i, finished in zip(ids, flags[0]):
-                    if finished:
+                for i, fin in zip(ids, finished):
+                    if fin:
                         finished_s[i], decode_s[i] = now - start, now - decode_start
-                feed.width = 2 if any(two and not fin for two, fin in zip(flags[1], flags[0])) else 1
-                feed, ids = _leave(dec, feed, ids, flags[0])
+                staying = [(t, n) for fin, t, n in zip(finished, two, accepted) if not fin]
+                feed.width = 2 if any(t for t, _ in staying) else 1
+                feed.draft_rows = 1 + max((n for _, n in staying), default=0)
+                feed, ids = _leave(dec, feed, ids, finished)
         wall_s = wall() - start
 
     lengths = out.counts.tolist()

@@ -1,8 +1,10 @@
 """KV-cache state of one model over a ragged batch: feed new tokens, roll back rejected ones.
 
 The engine talks to a model only through a state object with these methods:
-  extend(tokens (B, T), counts (B,), last_only) -> logits (B, T or 1, V): row b's real tokens are its last
-      counts[b] columns (holes on the left), at the positions that follow the row's cached tokens;
+  extend(tokens (B, T), counts (B,), last_only, new_rows) -> logits (B, T or 1, V): row b's real tokens are its last
+      counts[b] columns (holes on the left), at the positions that follow the row's cached tokens; new_rows, for a
+      draft whose rows lag its tokens (the EAGLE-3 head's, eagle3_state.py), is the most rows any batch row computes
+      in the call, which the engine knows on the host; the other states ignore it (their rows are the tokens);
   rollback(drop (B,)): forget each row's last drop[b] real tokens;
   tree_forward(tokens (B, T), positions (B, T), seen (B, T, W + T)) -> logits (B, T, V): token-tree nodes appended to
       an uncommitted segment of W columns after the row's real tokens; each sees those real tokens and the segment
@@ -80,7 +82,9 @@ class HFState:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=model.device)  # (B,) real tokens = next pos
         self.segment = 0  # uncommitted tree columns after the mask's columns
 
-    def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def extend(
+        self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False, new_rows: int | None = None
+    ) -> torch.Tensor:
         valid, positions = hole_layout(counts, self.lengths, tokens.shape[1])
         self.mask = torch.cat([self.mask, valid], 1)  # (B, S + T)
         self.lengths = self.lengths + counts

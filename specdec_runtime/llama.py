@@ -59,6 +59,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention against the cache as it lies: q (B, T, H, D), keys and values (B, Hkv, W, D) (views
+    of the cache), mask (B, 1, T, W) bool -> (B, T, H * D).
+
+    Query head h reads kv head h // G (HF's repeat_kv order), so a group's G query heads fold into the query length,
+    (B, Hkv, G * T, D), instead of the keys and values being repeated G times: that repeat copied the whole cache
+    in every layer and step (issue 22)."""
+    B, T, H, D = q.shape
+    Hkv, W = keys.shape[1], keys.shape[2]
+    G = H // Hkv
+    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    mg = mask[:, :, None].expand(B, 1, G, T, W).reshape(B, 1, G * T, W)  # each head of a group: its T query rows
+    y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg)  # (B, Hkv, G * T, D)
+    return y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -79,15 +95,8 @@ class Attention(nn.Module):
         rows = torch.arange(B, device=x.device)[:, None]
         self.k_cache[rows, slots] = k  # per-row slots (B, T)
         self.v_cache[rows, slots] = v
-        k_all, v_all = self._heads(self.k_cache[:B]), self._heads(self.v_cache[:B])
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask)  # (B, H, T, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-    def _heads(self, cache: torch.Tensor) -> torch.Tensor:
-        """(B, S, Hkv, D) cache -> (B, H, S, D), each kv head shared by its query group (expand: no host sync)."""
-        B, S, Hkv, D = cache.shape
-        groups = self.n_heads // Hkv
-        return cache[:, :, :, None].expand(B, S, Hkv, groups, D).reshape(B, S, Hkv * groups, D).transpose(1, 2)
+        keys, values = self.k_cache[:B].transpose(1, 2), self.v_cache[:B].transpose(1, 2)  # (B, Hkv, S, D) views
+        return self.o_proj(grouped_attention(q, keys, values, mask))
 
 
 class MLP(nn.Module):
@@ -189,7 +198,9 @@ class Llama(nn.Module):
         model.load_state_dict(state, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model = model.to(dtype=dtype or hf_model.dtype).eval()
+        # Inference only: `assign=True` made Parameters that require grad, and a forward outside no_grad (a CUDA
+        # graph's warm-up and capture) would then record autograd graphs that keep every activation alive.
+        model = model.to(dtype=dtype or hf_model.dtype).eval().requires_grad_(False)
         # fp32 frequencies whatever the weights' dtype (`.to` above would have cast the buffer), as HF does
         model.register_buffer("inv_freq", rotary.inv_freq.float().to(model.device), persistent=False)
         return model
@@ -296,6 +307,7 @@ class Llama(nn.Module):
             if rows not in by_rows:
                 by_rows[rows] = self._capture(rows, T)
 
+    @torch.no_grad()  # a graph captured with autograd on records a backward graph, its saved tensors in the pool
     def _capture(self, rows: int, T: int) -> tuple:
         S, dev = self.cache_shape[1], self.device
         # Warm-up and capture write only into the trash slot, so the live cache is untouched until the real replay.
@@ -335,7 +347,9 @@ class StaticState:
         # compiled steps: at least 2, so that Dynamo never specialises a graph to a 1-slot window (its 0/1 rule)
         return max(int(need.max()), 2) if self.model.compiled_step is not None else int(need.max())
 
-    def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def extend(
+        self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False, new_rows: int | None = None
+    ) -> torch.Tensor:
         T = tokens.shape[1]
         valid = torch.arange(T, device=tokens.device) >= (T - counts)[:, None]  # (B, T), holes on the left
         positions = (self.lengths[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)  # (B, T)

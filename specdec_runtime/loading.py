@@ -224,6 +224,14 @@ def load_tokenizer(spec: str, *, trust_remote_code: bool = False):
     return _from_pretrained(AutoTokenizer, path, local, spec, trust_remote_code=trust_remote_code)
 
 
+def load_config(spec: str, *, trust_remote_code: bool = False):
+    """The model's HF config alone, no weights: what promotion needs to identify a target and count its layers."""
+    from transformers import AutoConfig
+
+    path, local = resolve_model_path(spec)
+    return _from_pretrained(AutoConfig, path, local, spec, trust_remote_code=trust_remote_code)
+
+
 def _from_pretrained(auto_cls, path: str, local: bool, spec: str, **kwargs):
     if not local:
         try:  # the local HF cache first: works offline and costs no network round trip

@@ -28,9 +28,11 @@ class TimedState:
     def lengths(self) -> torch.Tensor:
         return self.state.lengths
 
-    def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def extend(
+        self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False, new_rows: int | None = None
+    ) -> torch.Tensor:
         with self.timer.span(self.phase):
-            return self.state.extend(tokens, counts, last_only)
+            return self.state.extend(tokens, counts, last_only, new_rows)
 
     def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         with self.timer.span(self.phase):
@@ -87,6 +89,10 @@ class Feed:
     """(B,) real tokens in `draft`: 1, or 2 after a refeed."""
     width: int = 1
     """Columns of `draft` a step feeds: 2 only while some row holds 2 (the loop learns it at its host sync)."""
+    draft_rows: int = 1
+    """Rows an EAGLE-3 head computes when fed `draft` (`new_rows` of kv.py's extend): the most drafts any row
+    accepted last step + 1, since it recomputes the accepted ones from the target's states (eagle3_state.py); the
+    loop learns it at its host sync, so the head reads nothing back."""
 
     @classmethod
     def first(cls, first_tokens: torch.Tensor) -> "Feed":

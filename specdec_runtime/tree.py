@@ -17,8 +17,9 @@ documents why each is exact. Temperature 0 goes through `verify_tree_greedy` (lo
 argmax, token-identical to target-only greedy decoding).
 
 Drafting a static tree (phase B wires this into the engine; q_* are warped draft probs, or logits for top_k):
-    tokens_1 = draft_level(tree, 1, q_root[:, None], rule, generator)          # (B, n_1)
-    tokens_2 = draft_level(tree, 2, q_level_1, rule, generator)                # q at the n_1 depth-1 nodes
+    levels = tree_levels(tree, device)                                       # once per tree and device
+    tokens_1 = draft_level(levels[0], q_root[:, None], rule, generator)      # (B, n_1)
+    tokens_2 = draft_level(levels[1], q_level_1, rule, generator)            # q at the n_1 depth-1 nodes
     ...
     mask, positions = verify_layout(tree, key_valid, root_positions, dtype)  # target: [root, nodes] in one forward
     path, nxt = verify_tree_sample(tree, tokens, p, q, rule, generator)      # p, q: (B, N + 1, V), root first
@@ -182,23 +183,41 @@ def draw_children(q: torch.Tensor, k: int, rule: SiblingRule, generator: torch.G
     return torch.where(q > 0, q / race, fallback).topk(k, dim=-1).indices
 
 
-def draft_level(
-    tree: Tree, depth: int, q: torch.Tensor, rule: SiblingRule, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Tokens of a static tree's nodes at `depth` (B, n_depth) from q (B, F, V) at the F nodes of depth - 1.
+@dataclass(frozen=True)
+class Level:
+    """One level of a static tree, indexed on the models' device once per tree (`tree_levels`): drafting a level
+    then copies nothing from the host and reads nothing back, level after level and step after step (issue 22)."""
+
+    k: int
+    """Children each parent draws: as many as the level's widest parent needs."""
+    parent: torch.Tensor
+    """(n,) each node's parent among the F nodes of the level above (0: the root, for depth 1)."""
+    rank: torch.Tensor
+    """(n,) each node's rank among its siblings."""
+
+
+def tree_levels(tree: Tree, device: torch.device | str) -> tuple[Level, ...]:
+    """A static tree's levels, depth 1 first, their index tensors on `device` (read from the tree on the host)."""
+    if tree.level_sizes is None:
+        raise ValueError("tree_levels needs a static tree (static_tree / tree_from_paths); use dynamic_tree_* here")
+    parents, rank = tree.parents.cpu(), tree.rank.cpu()
+    levels, start, parent_start = [], 0, -1  # the root's children have parent -1
+    for size in tree.level_sizes:
+        nodes = slice(start, start + size)
+        k = int(rank[nodes].max()) + 1
+        levels.append(Level(k, (parents[nodes] - parent_start).to(device), rank[nodes].to(device)))
+        start, parent_start = start + size, start
+    return tuple(levels)
+
+
+def draft_level(level: Level, q: torch.Tensor, rule: SiblingRule, generator: torch.Generator | None) -> torch.Tensor:
+    """Tokens of a static tree's nodes at one level (B, n) from q (B, F, V) at the F nodes of the level above.
 
     F is 1 (the root) for depth 1. Each parent draws as many children as the widest parent of the level needs and
     keeps its first c, which are still a draw of c children under every `SiblingRule`.
     """
-    if tree.level_sizes is None:
-        raise ValueError("draft_level needs a static tree (static_tree / tree_from_paths); use dynamic_tree_* here")
-    start = sum(tree.level_sizes[: depth - 1])
-    level = slice(start, start + tree.level_sizes[depth - 1])
-    parent_start = start - tree.level_sizes[depth - 2] if depth > 1 else -1  # root children have parent -1
-    k = int(tree.rank[level].max()) + 1  # a host read; a static tree can stay on the CPU for drafting
-    local_parent = (tree.parents[level] - parent_start).to(q.device)  # (n,) index among the F parents
-    children = draw_children(q, k, rule, generator)  # (B, F, k)
-    return children[:, local_parent, tree.rank[level].to(q.device)]  # (B, n)
+    children = draw_children(q, level.k, rule, generator)  # (B, F, k)
+    return children[:, level.parent, level.rank]  # (B, n)
 
 
 @dataclass(frozen=True)

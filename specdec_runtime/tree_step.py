@@ -18,6 +18,7 @@ from .sampling import SamplingParams, warp_logits
 from .step import Decoding, Feed, State, Verdict
 from .tree import (
     DynamicTreeShape,
+    Level,
     SiblingRule,
     Tree,
     draft_level,
@@ -26,6 +27,7 @@ from .tree import (
     dynamic_tree_start,
     parse_tree,
     tree_ancestors,
+    tree_levels,
     tree_size,
     verify_layout,
     verify_tree_greedy,
@@ -35,12 +37,13 @@ from .tree import (
 
 @dataclass(frozen=True)
 class StaticPlan:
-    """A static tree's tensors, prepared once per generate call."""
+    """A static tree's tensors on the models' device, prepared once per generate call: a step copies nothing from the
+    host to draft, mask or verify the tree."""
 
-    tree: Tree
-    """The shape on the CPU: `draft_level` reads its level bookkeeping on the host."""
     on_device: Tree
-    """The same shape on the models' device, for masks, positions and verification."""
+    """The shape on the models' device, for masks, positions and verification."""
+    levels: tuple[Level, ...]
+    """Each level's parent and rank indices, for drafting it (`tree.tree_levels`)."""
     ancestors: torch.Tensor
     """(N, N) node j is node i or one of its ancestors."""
     columns: torch.Tensor
@@ -48,10 +51,10 @@ class StaticPlan:
 
     @classmethod
     def build(cls, tree: Tree, device: torch.device) -> "StaticPlan":
-        tree, on_device = tree.to("cpu"), tree.to(device)
+        on_device = tree.to(device)
         N = tree.num_nodes
         columns = torch.where(on_device.depth < tree.max_depth, torch.arange(N, device=device), -1)
-        return cls(tree, on_device, tree_ancestors(on_device.parents), columns)
+        return cls(on_device, tree_levels(tree, device), tree_ancestors(on_device.parents), columns)
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,8 @@ def tree_step(dec: Decoding, feed: Feed, *, plan: TreePlan) -> Verdict:
     The verdict's x is the path's tokens (B, D); refeed marks rows whose last path node the draft never forwarded.
     """
     B = feed.target.shape[0]
-    root_logits = dec.draft.extend(feed.draft_tokens, feed.draft_counts, last_only=True)[:, -1]  # (B, V)
+    root = dec.draft.extend(feed.draft_tokens, feed.draft_counts, last_only=True, new_rows=feed.draft_rows)
+    root_logits = root[:, -1]  # (B, V)
     drafted = _draft_tree(dec, root_logits, plan.shape)
     path, nxt = _verify_tree(dec, feed.target, drafted)  # (B, D) node indices, -1 padded; (B,)
     n = (path >= 0).sum(1)
@@ -142,12 +146,12 @@ def _draft_static(
 
     q row 0 is the root's and row 1 + i node i's: the distributions their children were drawn from (leaves: zeros).
     """
-    tree, state, B = plan.tree, dec.draft, root_logits.shape[0]
+    tree, state, B = plan.on_device, dec.draft, root_logits.shape[0]
     scores, tokens, qs, start = root_logits[:, None], [], [], 0  # scores: (B, F, V) at the F nodes of level d - 1
-    for d, size in enumerate(tree.level_sizes, 1):
+    for d, (size, level) in enumerate(zip(tree.level_sizes, plan.levels), 1):
         q = scores if rule == "top_k" else warp_logits(scores, dec.sampling)  # top_k ranks raw logits
         qs.append(q)
-        tokens.append(draft_level(tree, d, q, rule, dec.generator))  # (B, size)
+        tokens.append(draft_level(level, q, rule, dec.generator))  # (B, size)
         if d < tree.max_depth:  # the last level's children are never drawn: no forward
             positions = (state.lengths - 1 + d)[:, None].expand(B, size)  # the root sits at lengths - 1
             seen = plan.ancestors[start : start + size, : start + size].expand(B, -1, -1)  # (B, size, W + size)

@@ -342,9 +342,10 @@ def _stage_config(args: argparse.Namespace):
 
 
 def cmd_data(args: argparse.Namespace) -> None:
-    from specdistill.pipeline import dist_state, print0, run_lock, stage_data
+    from specdistill.pipeline import check_prompt_roles, dist_state, print0, run_lock, stage_data
 
     cfg = _stage_config(args)
+    check_prompt_roles(cfg)  # before the lock writes anything
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     with run_lock(cfg.output_dir, dist):
         data = stage_data(cfg, dist)
@@ -353,9 +354,10 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 def cmd_distill(args: argparse.Namespace) -> None:
     from specdistill.config import save_resolved
-    from specdistill.pipeline import dist_state, print0, run_distill, run_lock, stage_data
+    from specdistill.pipeline import check_prompt_roles, dist_state, print0, run_distill, run_lock, stage_data
 
     cfg = _stage_config(args)
+    check_prompt_roles(cfg)  # before the lock writes anything
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     with run_lock(cfg.output_dir, dist):
         if dist.is_main:

@@ -453,6 +453,7 @@ def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
 def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     """data -> distill -> eval -> promote (check, export, serving config), skipping what is complete."""
     start = time.time()
+    check_prompt_roles(cfg)  # before anything is written: a run that would test on seen prompts never starts
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     with run_lock(cfg.output_dir, dist):
         return _run_stages(cfg, dist, start, force=force)
@@ -460,7 +461,6 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
 
 def _run_stages(cfg: RootConfig, dist: Dist, start: float, *, force: bool) -> dict:
     out = Path(cfg.output_dir)
-    check_prompt_roles(cfg)  # before the target loads: a run that would test on seen prompts never starts
     if dist.is_main:
         save_resolved(cfg, out / "config.yaml")
     target = load_target(cfg, dist)

@@ -17,12 +17,15 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """`gpu` tests skip without CUDA; `chromium` tests skip without chromium, unless CI demands it
-    (SPECDISTILL_REQUIRE_CHROMIUM=1), where a missing browser fails the test instead of hiding it."""
+    """`gpu` tests skip without CUDA, `chromium` tests without chromium, unless demanded (SPECDISTILL_REQUIRE_GPU=1:
+    benchmarks/gpu_smoke.sh; SPECDISTILL_REQUIRE_CHROMIUM=1: CI), where the missing piece fails the test instead of
+    hiding it."""
     if item.get_closest_marker("gpu"):
         import torch
 
         if not torch.cuda.is_available():
+            if os.environ.get("SPECDISTILL_REQUIRE_GPU") == "1":
+                pytest.fail("needs a CUDA GPU, and SPECDISTILL_REQUIRE_GPU=1 forbids skipping it", pytrace=False)
             pytest.skip("needs a CUDA GPU")
     if item.get_closest_marker("chromium") and shutil.which("chromium") is None:
         if os.environ.get("SPECDISTILL_REQUIRE_CHROMIUM") == "1":

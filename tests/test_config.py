@@ -232,3 +232,17 @@ def test_tracking_none_is_shorthand_for_its_backend(tmp_path):
     assert load_config(CONFIGS / "smoke.yaml", ["tracking=none"]).tracking.backend == "none"
     with pytest.raises(ConfigError, match="tracking.backend: 'nope' is not one of 'wandb', 'none'"):
         load_config(CONFIGS / "smoke.yaml", ["tracking=nope"])
+
+
+def test_the_8b_preset_trains_an_eagle3_head_for_its_32_layer_target():
+    """Users of Llama-3.1-8B serve an EAGLE-3 head: the preset has one, with aux layers valid for 32 layers (the
+    engines' default, written explicitly), the anchors' 7 TTT steps, a 32k draft vocabulary and an online teacher
+    (an offline cache of 3 x 4096 states per token would not fit), and its header says the memory per GPU."""
+    from specdec_runtime.eagle3 import check_aux_layers, default_aux_layers
+
+    path = CONFIGS / "llama-3.1-8b.yaml"
+    head = load_config(path).candidate_configs["eagle3"]
+    assert head.draft.init == "eagle3" and head.draft.aux_layers == default_aux_layers(32) == [2, 16, 29]
+    check_aux_layers(head.draft.aux_layers, 32)
+    assert head.draft.ttt_depth == 7 and head.draft.draft_vocab_size == 32000 and head.distill.teacher == "online"
+    assert "Memory per GPU" in path.read_text().split("\noutput_dir:")[0]

@@ -9,17 +9,19 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers.models import tiny_llama
 from safetensors.torch import load_file
 
 from distill.eagle3 import choose_draft_vocab, draft_targets, shift, ttt_logits
 from distill.students import DraftConfig
-from eval.engines import engine_snippets
+from eval.engines import ServingSetting, engine_snippets
 from specdec_runtime.eagle3 import (
     Eagle3Cache,
     Eagle3Draft,
     check_aux_layers,
     embed,
+    folded_gqa_attention,
     target_aux_forward,
     target_ids,
     to_target_logits,
@@ -34,7 +36,7 @@ CONFIG_KEYS = {
     "architectures", "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "tie_word_embeddings", "attention_bias",
     "mlp_bias", "hidden_act", "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id",
-    "rope_parameters", "rope_theta", "rope_scaling", "torch_dtype",
+    "rope_parameters", "rope_theta", "rope_scaling", "torch_dtype", "eagle_aux_hidden_state_layer_ids", "eagle_config",
 }  # fmt: skip
 
 
@@ -57,7 +59,7 @@ def head(target, aux=None, seed=0) -> Eagle3Draft:
 def test_export_has_exactly_the_engines_keys_dtypes_and_shapes(target, tmp_path):
     head(target).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert set(config) == CONFIG_KEYS  # default aux layers: no eagle_aux keys at all
+    assert set(config) == CONFIG_KEYS  # the aux layer ids too, default ones included (issue 23)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert (config["num_hidden_layers"], config["tie_word_embeddings"]) == (1, False)
     assert (config["hidden_size"], config["vocab_size"], config["draft_vocab_size"]) == (32, 64, len(DRAFT_IDS))
@@ -78,13 +80,17 @@ def test_export_has_exactly_the_engines_keys_dtypes_and_shapes(target, tmp_path)
     assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
 
 
-def test_non_default_aux_layers_are_written_for_vllm_and_sglang(target, tmp_path):
-    head(target, aux=[1, 3, 5]).save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
+def test_aux_layers_are_always_written_for_vllm_and_sglang(target, tmp_path):
+    """Default layers too: without the ids vLLM guesses per architecture (issue 23)."""
+    head(target, aux=[1, 3, 5]).save_pretrained(tmp_path / "custom")
+    config = json.loads((tmp_path / "custom" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # vLLM: layer inputs (HF indices)
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}  # SGLang: the same minus 1
-    assert Eagle3Draft.from_pretrained(tmp_path).aux_layers(6) == [1, 3, 5]
-    assert head(target).aux_layers(6) == [2, 3, 3]
+    assert Eagle3Draft.from_pretrained(tmp_path / "custom").aux_layers(6) == [1, 3, 5]
+    head(target).save_pretrained(tmp_path / "default")
+    config = json.loads((tmp_path / "default" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3] and head(target).aux_layers(6) == [2, 3, 3]
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 2]}
 
 
 def test_a_saved_head_loads_back_exactly_and_a_foreign_layout_is_refused(target, tmp_path):
@@ -248,6 +254,84 @@ def test_ttt_mask_is_causal_on_step_zero_and_diagonal_after():
     assert torch.equal(mask[:, 3:6], torch.eye(3, dtype=torch.bool)) and torch.equal(mask[:, 6:], mask[:, 3:6])
 
 
+# ------------------------------------------------------------------------------------------------ numerics
+
+
+def test_the_heads_rope_frequencies_stay_fp32_through_every_cast(target, tmp_path):
+    """bf16 frequencies are off by up to 2^-9 relative, ~2e-3 rad per token of distance: the head would see other
+    positions than it trained on, and than vLLM / SGLang give it. Whatever casts the head (the runtime's loader,
+    `.to`, `.bfloat16()` as DeepSpeed 0.19.0-0.19.2's bf16 engine does, `.half()`), inv_freq stays the fp32
+    original, and bf16 cos / sin at large positions are fp32 frequencies' rounded once. (DeepSpeed 0.19.3+ casts
+    parameters only: tests/test_eagle3_train.py checks the head inside its engine.)"""
+    fp32 = head(target).rotary
+    head(target).to(torch.bfloat16).save_pretrained(tmp_path)
+    casts = {
+        "from_pretrained": lambda d: Eagle3Draft.from_pretrained(tmp_path),
+        ".to(bf16)": lambda d: d.to(torch.bfloat16),
+        ".to(dtype=)": lambda d: d.to(device="cpu", dtype=torch.bfloat16),
+        ".bfloat16()": lambda d: d.bfloat16(),
+        ".half()": lambda d: d.half(),
+    }
+    for name, cast in casts.items():
+        draft = cast(head(target))
+        assert draft.fc.weight.dtype in (torch.bfloat16, torch.float16), name
+        for buffer in ("inv_freq", "original_inv_freq"):
+            freqs = getattr(draft.rotary, buffer)
+            assert freqs.dtype == torch.float32 and torch.equal(freqs, getattr(fp32, buffer)), (name, buffer)
+    x, positions = torch.zeros(1, dtype=torch.bfloat16), torch.arange(3000, 3100)[None]
+    cos, sin = head(target).bfloat16().rotary(x, positions)
+    want_cos, want_sin = (t.to(torch.bfloat16) for t in fp32(x.float(), positions))
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_folded_gqa_attention_is_sdpas_gqa_in_outputs_and_gradients():
+    """Training folds each key head's query heads into its rows: equal head counts, which CUDA's memory-efficient
+    kernel takes (GQA with a mask leaves CUDA the math kernel only). The outputs and the gradients of q, k and v are
+    SDPA's enable_gqa ones, under the TTT mask and under an engine's (B, 1, T, S) one."""
+    gen = torch.Generator().manual_seed(0)
+    B, Hq, KV, T, D, step = 2, 6, 2, 5, 8, 2
+    S = (step + 1) * T
+    q = torch.randn(B, Hq, T, D, generator=gen, requires_grad=True)
+    k, v = (torch.randn(B, KV, S, D, generator=gen, requires_grad=True) for _ in range(2))
+    w = torch.randn(B, Hq, T, D, generator=gen)
+    ttt = ttt_mask(T, step, torch.device("cpu"))
+    sparse = ttt & (torch.rand(B, 1, T, S, generator=gen) < 0.6)
+    sparse[..., :T] |= torch.eye(T, dtype=torch.bool)  # every row keeps its own step-0 key
+    for mask in (ttt, sparse):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        got = folded_gqa_attention(q, k, v, mask)
+        torch.testing.assert_close(got, want)
+        grads, want_grads = (torch.autograd.grad((out * w).sum(), (q, k, v)) for out in (got, want))
+        for g, ref in zip(grads, want_grads):
+            torch.testing.assert_close(g, ref)
+
+
+def test_the_heads_training_attention_has_equal_head_counts_and_drafting_keeps_sdpas_gqa(target, monkeypatch):
+    """With autograd recording, every attention of the TTT unroll reaches SDPA with as many key as query heads and
+    no enable_gqa (the memory-efficient kernel's terms on CUDA); without (drafting, validation), it stays SDPA's GQA
+    over the KV heads, as before. Both give the same logits."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        calls.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    draft, T = head(target).train(), 7
+    ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, aux = target_aux_forward(target, ids, draft.aux_layers(6))
+        emb = embed(target, ids)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)  # torch's own: after the target's forward
+    training = [logits for _, logits in ttt_logits(draft, aux, emb, 3)]
+    assert calls == [(2, 2, False)] * 3  # tiny_llama: 4 query heads, 2 key heads
+    calls.clear()
+    with torch.no_grad():
+        drafting = [logits for _, logits in ttt_logits(draft, aux, emb, 3)]
+    assert calls == [(4, 2, True)] * 3
+    for got, want in zip(training, drafting):
+        torch.testing.assert_close(got.detach(), want)
+
+
 # ------------------------------------------------------------------------------------------------ config and engines
 
 
@@ -257,6 +341,7 @@ def test_draft_config_validates_the_eagle3_keys():
         (dict(init="truncate", aux_layers=[1, 2, 3]), "only used by init=eagle3"),
         (dict(init="eagle3", aux_layers=[1, 2]), "3 layer indices"),
         (dict(init="eagle3", aux_layers=[0, 2, 3]), "3 layer indices"),
+        (dict(init="eagle3", aux_layers=[3, 1, 2]), "ascending order"),  # engines concatenate in layer order
         (dict(init="eagle3", lora=True), "lora does not apply"),
         (dict(init="eagle3", ttt_decay=0.0), "ttt_decay"),
         (dict(init="eagle3", ttt_depth=0), "ttt_depth"),
@@ -266,10 +351,12 @@ def test_draft_config_validates_the_eagle3_keys():
             DraftConfig(**bad)
     with pytest.raises(ValueError, match=r"\[1, 5\]"):
         check_aux_layers([2, 3, 6], 6)  # index L is the final normed output, not a layer input
+    with pytest.raises(ValueError, match="ascending order"):
+        check_aux_layers([4, 2, 3], 6)
 
 
 def test_engine_snippets_name_the_eagle3_method_of_every_engine():
-    snippets = engine_snippets("/d", 4, kind="eagle3")
+    snippets = engine_snippets(ServingSetting("/d", 4, kind="eagle3", aux_layers=(2, 3, 3)))
     assert snippets["vllm"]["speculative_config"] == {"model": "/d", "num_speculative_tokens": 4, "method": "eagle3"}
     sglang = snippets["sglang"]
     flags = dict(zip(sglang[::2], sglang[1::2]))
@@ -278,9 +365,11 @@ def test_engine_snippets_name_the_eagle3_method_of_every_engine():
         "--speculative-eagle-topk": 1, "--speculative-num-draft-tokens": 5,
     }  # fmt: skip
     assert snippets["trtllm"]["speculative_config"] == {
-        "decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "/d"
+        "decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "/d", "eagle3_layers_to_capture": [1, 2, 2],
     }  # fmt: skip
-    assert engine_snippets("/d", 4)["sglang"][1] == "STANDALONE"
+    assert engine_snippets(ServingSetting("/d", 4))["sglang"][1] == "STANDALONE"
+    with pytest.raises(ValueError, match="required for kind eagle3"):
+        ServingSetting("/d", 4, kind="eagle3")  # a head's snippet without its layers would serve the default ones
 
 
 def test_the_standalone_loader_refuses_an_eagle3_head(target, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers.models import LLAMA_PROMPTS, assert_same_up_to_ties, gpu_llama, hf_greedy, tiny_llama
 from helpers.stats import chi_square_pvalue
+from helpers.syncs import count_host_syncs
 
 import specdec_runtime.eagle3_state as eagle3_state
 import specdec_runtime.engine as engine
@@ -283,6 +284,22 @@ def test_the_cpu_fast_head_computes_what_the_head_computes(pair):
     assert any(isinstance(m, torch.nn.Linear) for m in draft.modules()) and not draft.cpu_fast
 
 
+def test_the_head_reads_nothing_back_from_the_device(pair, monkeypatch):
+    """Issue 22: the head's forwards (the catch-up after a verify, the drafting steps, the tree levels) take R, the
+    most rows a batch row computes, from the engine's host sync, so none reads a tensor back: on CUDA reading R off
+    the device was a sync per draft forward. Run as on CUDA (without the CPU's free read that skips fc), greedy
+    output stays the target's."""
+    target, draft = pair
+    monkeypatch.setattr(eagle3_state, "reads_are_free", lambda device: False)
+    # reads only: HF's rotary embedding moves its frequencies to the input's device, where they already are
+    syncs = count_host_syncs(monkeypatch, eagle3_state.Eagle3State, ("extend", "tree_forward"), moves=False)
+    want = hf_greedy(target, LLAMA_PROMPTS, 20)
+    for tree in (None, "2,2,1", "dynamic:6"):
+        got = generate(Llama.from_hf(target), draft, LLAMA_PROMPTS, num_draft_tokens=4, max_new_tokens=20, tree=tree)
+        assert got.tokens == want, tree
+    assert not syncs, syncs
+
+
 # ---------------------------------------------------------------------------------------- distribution at T > 0
 
 V6 = 6
@@ -349,19 +366,35 @@ def test_a_target_state_that_forgets_its_rollback_is_caught(spread_pair, monkeyp
 # --------------------------------------------------------------------------------------------- CUDA static cache
 
 
-@pytest.mark.gpu
-def test_compact_cuda_graph_path_is_greedy_exact():
-    """bf16 compact target with CUDA graphs: the graphs bake the aux copies in (captured after the hooks), a second
-    call replays them, and a standalone run before does not leave graphs without the copies."""
-    target = gpu_llama(7)
-    draft = Eagle3Draft.from_target(target, torch.arange(0, 64, 2, device="cuda"), seed=0).eval()
-    want = hf_greedy(target, LLAMA_PROMPTS, 24)
+def bf16_head_pair(device: str):
+    """The compact-target test's models: a 6-layer wide target (aux layers [2, 3, 3]; 2 layers have no valid aux
+    layers) and its random head in bf16; built on the CPU too, so a target the head rejects fails there first."""
+    target = gpu_llama(7, layers=6, device=device)
+    return target, Eagle3Draft.from_target(target, DRAFT_IDS, seed=0).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize(
+    "device,graphs",
+    [
+        ("cpu", False),
+        pytest.param("cuda", True, marks=pytest.mark.gpu),
+        pytest.param("cuda", False, marks=pytest.mark.gpu),
+    ],
+    ids=["cpu", "cuda-graphs", "cuda-eager"],
+)
+def test_a_bf16_head_on_the_bf16_compact_target_is_greedy_exact(device, graphs):
+    """With CUDA graphs, the graphs bake the aux copies in (captured after the hooks: the target-only run before
+    captures them without), and a second call replays them; without, the hooks live and die with each call."""
+    target, draft = bf16_head_pair(device)
+    assert draft.aux_layers(6) == [2, 3, 3] and draft.compute_dtype == torch.bfloat16
     fast = Llama.from_hf(target, dtype=torch.bfloat16)
-    generate(fast, None, LLAMA_PROMPTS, max_new_tokens=8)  # graphs captured without hooks
+    fast.use_graphs = graphs
+    want = generate(fast, None, LLAMA_PROMPTS, max_new_tokens=24).tokens  # target-only decoding, graphs without hooks
     for tree in (None, None, "2,2,1", "dynamic:6"):
         got = generate(fast, draft, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=24, tree=tree)
         assert_same_up_to_ties(target, LLAMA_PROMPTS, got.tokens, want, f"eagle3 tree={tree}")
-    assert fast.graphs, "the decode steps ran as CUDA graphs"
+    assert bool(fast.graphs) == graphs, "the decode steps ran as CUDA graphs exactly when they were on"
+    assert (fast.eagle3_capture is not None) == graphs, "the aux capture outlives a call only for the graphs"
 
 
 # ------------------------------------------------------------------------------------------ loading and bench
@@ -397,6 +430,7 @@ def test_promoting_a_head_writes_the_engines_eagle3_methods(tmp_path):
     from helpers.reports import make_report
 
     from eval.config import ServingConfig
+    from eval.engines import recommended_setting
     from eval.promote import build_serving
     from eval.recommend import recommend
 
@@ -405,7 +439,8 @@ def test_promoting_a_head_writes_the_engines_eagle3_methods(tmp_path):
         cand["kind"] = "eagle3"
     report["recommendation"] = recommend(report, ServingConfig(min_acceptance=0.0))
     assert report["recommendation"]["kind"] == "eagle3" and report["recommendation"]["enabled"]
-    serving = build_serving({}, report, tmp_path / "report.json", "export/head", "2026-12-01T00:00:00Z")
+    setting = recommended_setting(report["recommendation"], "export/head", aux_layers=(2, 3, 3))
+    serving = build_serving({}, report, tmp_path / "report.json", setting, "2026-12-01T00:00:00Z")
     K = report["recommendation"]["num_draft_tokens"]
     assert serving["speculative"]["kind"] == "eagle3"
     vllm, sglang, trtllm = (serving["engines"][e] for e in ("vllm", "sglang", "trtllm"))

@@ -133,7 +133,8 @@ def test_export_of_an_eagle3_head_is_a_copy_with_its_card(straight, tmp_path):
     assert (out / "config.json").read_text() == (cand / "best" / "config.json").read_text()
     card = (out / "README.md").read_text()
     coverage = json.loads((cand / "draft_vocab.json").read_text())["coverage"]
-    assert "Kind: **eagle3**" in card and "[2, L // 2, L - 3]" in card and f"{coverage:.2%}" in card
+    # the default layers of the 4-layer target, [2, L // 2, L - 3], named and written out (issue 23)
+    assert "Kind: **eagle3**" in card and "target layers [2, 2, 1]" in card and f"{coverage:.2%}" in card
     assert '"method": "eagle3"' in card and "EAGLE3" in card and "decoding_type: Eagle3" in card
 
 
@@ -276,14 +277,34 @@ def test_deepspeed_zero2_trains_an_eagle3_head_and_resumes_like_one_process(stra
     assert_like_straight(zero2, single)
 
 
+# Every forward of a bf16 head (inside DeepSpeed's engine) checks that its rope frequencies are fp32 and exact.
+ROPE_IN_BF16 = """
+import torch
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from specdec_runtime.eagle3 import Eagle3Draft
+plain_forward, checked = Eagle3Draft.forward, []
+def checked_forward(self, *args, **kwargs):
+    if self.fc.weight.dtype == torch.bfloat16:
+        freqs, want = self.rotary.inv_freq, LlamaRotaryEmbedding(self.config).inv_freq
+        assert freqs.dtype == torch.float32 and torch.equal(freqs.cpu(), want), freqs
+        if not checked:
+            print("bf16 head, fp32 rope frequencies", flush=True)
+            checked.append(True)
+    return plain_forward(self, *args, **kwargs)
+Eagle3Draft.forward = checked_forward
+"""
+
+
 @pytest.mark.slow
 def test_deepspeed_bf16_eagle3_head_resumes_exactly_from_its_fp32_masters(straight):
     """train.mixed_precision=bf16 under DeepSpeed: the head, its aux states and embeddings run in bf16 (the
-    checkpoint's weights are bf16) with fp32 masters in the ZeRO partitions; a stop-and-resume run ends exactly
-    where a straight one does, with finite losses."""
+    checkpoint's weights are bf16) with fp32 masters in the ZeRO partitions, its rope frequencies stay fp32 (what
+    vLLM / SGLang serve it with); a stop-and-resume run ends exactly where a straight one does, with finite losses."""
     root, data, single = straight
     runs = {root / "bf16-straight": (3,), root / "bf16-resumed": (2, 3)}
-    run_two(root, data, runs, "train.mixed_precision=bf16", launcher=accelerate_launcher("deepspeed_zero2.yaml"))
+    launcher = accelerate_launcher("deepspeed_zero2.yaml")
+    stdout = run_two(root, data, runs, "train.mixed_precision=bf16", launcher=launcher, prelude=ROPE_IN_BF16)
+    assert "bf16 head, fp32 rope frequencies" in stdout
     straight_bf16, resumed = (out / "candidates" / "draft" for out in runs)
     assert_bf16_resumes_exactly(straight_bf16, resumed, single, torch.bfloat16)
 

@@ -209,28 +209,26 @@ def test_folder_without_weights_is_a_clear_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_promote_with_export_dir_points_serving_at_the_export(tmp_path):
-    _, draft, tokenizer = pair()
+def test_promote_exports_and_points_serving_at_the_export(tmp_path):
+    """Promotion is the one place export happens: the draft goes to <export_root>/<name> with a card holding the
+    serving config's own snippets, and the serving config points at it."""
+    target, draft, tokenizer = pair()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
     ckpt = save_checkpoint(draft, tokenizer, tmp_path / "candidates" / "trunc2" / "best")
     report = report_for(ckpt)
+    report["target"] = str(tmp_path / "target")
     report["recommendation"]["confirmation"] = {"acceptance_rate": 0.6345, "mean_accepted_length": 2.6, "speedup": 1.79}
     (tmp_path / "report.json").write_text(json.dumps(report))
-    export = tmp_path / "export" / "trunc2"
-    summary = promote(
-        tmp_path / "report.json",
-        tmp_path / "serving.yaml",
-        export_dir=export,
-        target_tokenizer=tokenizer,
-        draft_tokenizer=AutoTokenizer.from_pretrained(ckpt),
-    )
+    summary = promote(tmp_path / "report.json", tmp_path / "serving.yaml", export_root=tmp_path / "export")
+    export = (tmp_path / "export" / "trunc2").resolve()
     serving = yaml.safe_load((tmp_path / "serving.yaml").read_text())
-    assert serving["speculative"]["draft"] == str(export.resolve()) and "1.79x" in summary
-    assert serving["engines"]["vllm"]["speculative_config"]["model"] == str(export.resolve())
+    assert serving["speculative"]["draft"] == str(export) and "1.79x" in summary
+    assert serving["engines"]["vllm"]["speculative_config"]["model"] == str(export)
     assert (export / "model.safetensors").is_file()
-    assert (
-        f"--speculative-draft-model-path {export.resolve()} --speculative-num-steps 4"
-        in (export / "README.md").read_text()
-    )
+    card = (export / "README.md").read_text()
+    assert f"--speculative-draft-model-path {export} --speculative-num-steps 4" in card
+    assert "- needs: vLLM newer than 0.13.0" in card  # the notes under each engine, as serving.yaml's comments
 
 
 @PEFT_WARNING

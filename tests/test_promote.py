@@ -1,7 +1,11 @@
-"""Promotion into the serving config: the contract's layout, history, dry-run diff, refusals, atomicity, locking."""
+"""Promotion into the serving config: the contract's layout, history, dry-run diff, refusals (in the library and from
+the standalone command), atomicity, locking. Promotion loads the target's config and tokenizer itself: the reports
+here name `random:tiny-llama` (built once into this module's cache) or a local folder."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -14,11 +18,25 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eval.promote import promote
+from eval.promote import load_target_view, promote
+from eval.results import target_fingerprint
 from specdec_runtime.loading import VocabMismatchError
 from specdec_runtime.tiny import byte_level_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_cache(tmp_path_factory):
+    """One model cache for the module (its subprocesses inherit it): random:tiny-llama is built once."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+def fingerprint_of(spec: str) -> str:
+    view = load_target_view(spec)
+    return target_fingerprint(view, view.tokenizer)
 
 
 def write_report(
@@ -27,14 +45,16 @@ def write_report(
     gamma: int = 4,
     enabled: bool = True,
     target: str = "random:tiny-llama",
-    fingerprint: str = "0123456789abcdef",
+    fingerprint: str | None = None,
     max_concurrency: int = 16,
     measured_concurrency: tuple[int, ...] = (1, 4, 16),
 ) -> Path:
-    """A report.json (contract of eval/results.py) recommending `name` with `gamma`, its draft folder created."""
+    """A report.json (contract of eval/results.py) recommending `name` with `gamma`, its draft folder created with
+    the target's tokenizer (no weights: these tests promote without exporting)."""
     draft = folder / "candidates" / name / "best"
     draft.mkdir(parents=True, exist_ok=True)
     (draft / "config.json").write_text(json.dumps({"vocab_size": 259}))
+    byte_level_tokenizer().save_pretrained(draft)
     confirmation = {
         "acceptance_rate": 0.71,
         "mean_accepted_length": 3.1,
@@ -127,6 +147,13 @@ def test_promote_writes_the_serving_contract(tmp_path):
         "max_draft_len": 4,
         "speculative_model": draft,
     }
+    text = serving.read_text()  # each engine's version floor, as a comment above its settings
+    assert (
+        "  # needs: vLLM newer than 0.13.0 with V1 draft models (`method: draft_model`; 0.13.0 refuses it)\n  vllm:"
+        in text
+    )
+    assert "  # needs: SGLang with `--speculative-algorithm STANDALONE`\n  sglang:" in text
+    assert "  # needs: TensorRT-LLM PyTorch backend with DraftTargetDecodingConfig\n  trtllm:" in text
     (entry,) = cfg["history"]
     assert entry["draft"] == draft and entry["replaced"] is None and entry["measured"] == spec["measured"]
     assert entry["promoted_at"].endswith("Z")
@@ -192,31 +219,54 @@ def test_dry_run_prints_diff_and_writes_nothing(tmp_path):
 
 
 def test_refuses_vocabulary_mismatch(tmp_path):
+    """The draft's own tokenizer, loaded by promote, against the target's."""
     report, serving = write_report(tmp_path), tmp_path / "serving.yaml"
-    other = word_level_tokenizer(["hello", "world"])  # same size class, different tokens
+    word_level_tokenizer(["hello", "world"]).save_pretrained(tmp_path / "candidates" / "trunc2-fkl" / "best")
     with pytest.raises(VocabMismatchError, match="differ at id 0"):
-        promote(report, serving, target_tokenizer=byte_level_tokenizer(), draft_tokenizer=other)
+        promote(report, serving)
     assert not serving.exists()
-    promote(report, serving, target_tokenizer=byte_level_tokenizer(), draft_tokenizer=byte_level_tokenizer())
+    byte_level_tokenizer().save_pretrained(tmp_path / "candidates" / "trunc2-fkl" / "best")
+    promote(report, serving)
     assert load(serving)["speculative"]["enabled"] is True
 
 
+def local_target(folder: Path, layers: int = 4) -> str:
+    """A target as a local HF folder (a tiny Llama and the byte-level tokenizer)."""
+    from helpers.models import tiny_llama
+
+    tokenizer = byte_level_tokenizer()
+    tiny_llama(vocab_size=len(tokenizer), layers=layers).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def test_refuses_report_for_another_target(tmp_path):
-    report, serving = write_report(tmp_path, target="org/model-a"), tmp_path / "serving.yaml"
-    with pytest.raises(ValueError, match="made for target 'org/model-a', not for 'org/model-b'"):
-        promote(report, serving, expected_target="org/model-b")
-    with pytest.raises(ValueError, match=r"fingerprint 0123456789abcdef\).*fingerprint ffffffffffffffff"):
-        promote(report, serving, expected_target="org/model-a", expected_fingerprint="ffffffffffffffff")
+    a, b = local_target(tmp_path / "a"), local_target(tmp_path / "b", layers=3)
+    serving = tmp_path / "serving.yaml"
+    report = write_report(tmp_path, target=a)  # no fingerprint: the spec decides
+    with pytest.raises(ValueError, match=f"made for target '{a}', not for '{b}'"):
+        promote(report, serving, expected_target=b)
+    report = write_report(tmp_path, target="org/model-a", fingerprint=fingerprint_of(a))  # the fingerprint decides
+    with pytest.raises(ValueError, match=rf"fingerprint {fingerprint_of(a)}\).*fingerprint {fingerprint_of(b)}"):
+        promote(report, serving, expected_target=b)
     assert not serving.exists()
-    promote(report, serving, expected_target="org/model-a", expected_fingerprint="0123456789abcdef")
+    promote(report, serving, expected_target=a)  # another name of the same target: its fingerprint agrees
     assert serving.exists()
 
 
+def test_refuses_a_report_whose_target_changed_since_the_eval(tmp_path):
+    a = local_target(tmp_path / "a")
+    report = write_report(tmp_path, target=a, fingerprint="ffffffffffffffff")
+    with pytest.raises(ValueError, match="now has fingerprint .* re-run eval against it"):
+        promote(report, tmp_path / "serving.yaml")
+    assert not (tmp_path / "serving.yaml").exists()
+
+
 def test_same_target_through_another_path_is_accepted(tmp_path):
-    (tmp_path / "target").mkdir()
-    report = write_report(tmp_path, target=str(tmp_path / "target"))
+    target = local_target(tmp_path / "target")
+    report = write_report(tmp_path, target=target, fingerprint=fingerprint_of(target))
     promote(report, tmp_path / "serving.yaml", expected_target=str(tmp_path / "." / "target"))
-    assert load(tmp_path / "serving.yaml")["target"] == str(tmp_path / "target")
+    assert load(tmp_path / "serving.yaml")["target"] == target
 
 
 @pytest.mark.parametrize(
@@ -380,3 +430,53 @@ def test_only_batch_one_measured_is_no_cap(tmp_path):
     assert spec["measured"]["max_concurrency_measured"] == 1 and spec["measured"]["measured_concurrency"] == [1]
     assert "max_concurrency:" not in text and "a measurement, not a cap" in text
     assert "num_speculative_tokens_per_batch_size" not in cfg["engines"]["vllm"]["speculative_config"]
+
+
+def cli_promote(*args) -> tuple[int, str, str]:
+    """`specdistill promote ...` through the CLI's entry point in this process: (exit code, stdout, stderr)."""
+    from specdistill.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["promote", *map(str, args)])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_standalone_promote_checks_exports_and_refuses_in_one_line(tmp_path, monkeypatch):
+    """`specdistill promote` alone is `run`'s promotion: it loads the run's target and the draft's tokenizer, refuses
+    a draft with another tokenizer or a report for another target (the run's, or the deployment file's) with one
+    line and exit code 2, writing and exporting nothing; otherwise it exports the draft and serves the export."""
+    from helpers.models import tiny_llama
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub id below is refused without a network round trip
+    out, a, b = tmp_path / "run", local_target(tmp_path / "a"), local_target(tmp_path / "b", layers=3)
+    (out / "eval").mkdir(parents=True)
+    report = write_report(out, target=a, fingerprint=fingerprint_of(a)).rename(out / "eval" / "report.json")
+    draft = out / "candidates" / "trunc2-fkl" / "best"
+    tiny_llama(vocab_size=259, layers=2).save_pretrained(draft)
+    word_level_tokenizer(["hello", "world"]).save_pretrained(draft)
+
+    def refused(needle: str) -> None:
+        rc, stdout, stderr = cli_promote(report)
+        assert rc == 2 and stdout == "" and stderr.startswith("specdistill: error: ") and stderr.count("\n") == 1
+        assert needle in stderr, stderr
+        assert sorted(p.name for p in out.iterdir()) == ["candidates", "config.yaml", "eval"]  # nothing written
+
+    (out / "config.yaml").write_text(yaml.safe_dump({"target": {"model": a}}))
+    refused("differ at id 0")  # the draft's tokenizer is not the target's
+    byte_level_tokenizer().save_pretrained(draft)
+    (out / "config.yaml").write_text(yaml.safe_dump({"target": {"model": b}}))
+    refused(f"was made for target '{a}' (fingerprint {fingerprint_of(a)}), not for '{b}'")  # the run's target
+    (out / "config.yaml").write_text(yaml.safe_dump({"target": {"model": a}}))
+    rc, stdout, _ = cli_promote(report, "--serving", tmp_path / "deploy.yaml", "--dry-run")
+    assert rc == 0 and "+target: " + a in stdout and not (out / "export").exists()  # a dry run exports nothing
+    (tmp_path / "deploy.yaml").write_text("target: org/another-model\n")
+    rc, _, stderr = cli_promote(report, "--serving", tmp_path / "deploy.yaml")
+    assert rc == 2 and "not for 'org/another-model'" in stderr and stderr.count("\n") == 1  # the deployment's target
+    assert (tmp_path / "deploy.yaml").read_text() == "target: org/another-model\n"
+
+    rc, stdout, _ = cli_promote(report)
+    export = out / "export" / "trunc2-fkl"
+    assert rc == 0 and f"({export}, num_draft_tokens=4" in stdout
+    assert (export / "model.safetensors").is_file() and (export / "README.md").is_file()
+    assert load(out / "serving.yaml")["speculative"]["draft"] == str(export)

@@ -1,13 +1,19 @@
 """Exact behaviour of the speculative engine: hand-written accept/reject cases, greedy identity, stops, bad input."""
 
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers.models import LLAMA_PROMPTS, hf_greedy, perturbed, tiny_llama
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from specdec_runtime.backends import fast_model
+from specdec_runtime.eagle3 import Eagle3Draft
+from specdec_runtime.eagle3_state import AuxCapture
 from specdec_runtime.engine import SamplingParams, generate
-from specdec_runtime.llama import Llama
+from specdec_runtime.llama import Llama, grouped_attention
 
 # Tiny models: intra-op thread wake-ups cost more than the maths on a shared 2-core machine.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,6 +165,89 @@ def test_compact_llama_logits_match_hf(overrides):
         got = compact(tokens, positions, positions, mask)
         expected = hf(input_ids=tokens).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+def test_grouped_attention_equals_repeated_keys_and_hf(heads, kv_heads):
+    """Folding a group's query heads into the query length (issue 22) computes what repeating every key and value
+    per query head did before, and what HF's eager attention computes, under a random mask."""
+    B, T, W, D, G = 3, 5, 19, 8, heads // kv_heads
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, heads, D, generator=gen)
+    keys, values = (torch.randn(B, W, kv_heads, D, generator=gen).transpose(1, 2) for _ in range(2))  # cache views
+    mask = torch.rand(B, 1, T, W, generator=gen) < 0.5
+    mask[..., 0] = True  # every query sees a key
+    got = grouped_attention(q, keys, values, mask)  # (B, T, H * D)
+    repeated = [kv[:, :, None].expand(B, kv_heads, G, W, D).reshape(B, heads, W, D) for kv in (keys, values)]
+    before = F.scaled_dot_product_attention(q.transpose(1, 2), *repeated, attn_mask=mask)  # (B, H, T, D)
+    torch.testing.assert_close(got, before.transpose(1, 2).reshape(B, T, -1), atol=1e-6, rtol=1e-5)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    module = SimpleNamespace(num_key_value_groups=G, training=False)
+    hf, _ = eager_attention_forward(module, q.transpose(1, 2), keys, values, additive, scaling=D**-0.5)
+    torch.testing.assert_close(got, hf.reshape(B, T, -1), atol=1e-6, rtol=1e-5)
+
+
+def test_compact_attention_reads_the_cache_where_it_lies(monkeypatch):
+    """Issue 22: the compact model's attention reads every layer's static cache itself, not a per-head copy of it
+    (which cost a copy of the whole cache per layer and step)."""
+    compact = Llama.from_hf(tiny_llama(3))  # 4 query heads over 2 kv heads
+    read, sdpa = [], F.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        read.append((storage(k), storage(v)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    S = compact.setup_cache(2, 8)
+    positions = torch.arange(4).expand(2, 4)
+    mask = (torch.arange(S) <= positions[..., None])[:, None]  # (B, 1, T, S)
+    with torch.no_grad():
+        compact(torch.ones(2, 4, dtype=torch.long), positions, positions, mask)
+    assert read == [(storage(a.k_cache), storage(a.v_cache)) for a in attentions(compact)]
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def attentions(model: Llama) -> list:
+    return [layer.self_attn for layer in model.layers]
+
+
+def fake_cuda_capture(monkeypatch) -> None:
+    """`Llama._capture`'s CUDA calls as no-ops (streams, pool, graph), so its warm-up and capture run on the CPU."""
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    calls = {"Stream": lambda: stream, "current_stream": lambda: stream, "stream": lambda s: nullcontext(),
+             "graph_pool_handle": object, "CUDAGraph": object, "graph": lambda graph, pool: nullcontext()}  # fmt: skip
+    for name, fake in calls.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+
+def test_inference_models_hold_no_autograd_state(monkeypatch):
+    """Issue 22: no model the runtime builds for decoding requires grad (the compact model CUDA runs, the CPU fast
+    path's target, draft and EAGLE-3 head), and a CUDA graph's warm-up and capture run under no_grad: a graph
+    captured with autograd on records a backward graph too, and its pool keeps the saved activations alive. What
+    the capture writes (the graph's logits, the static cache, a head's aux buffers) carries no autograd history."""
+    hf = tiny_llama(0, layers=6)
+    head = Eagle3Draft.from_target(hf, torch.arange(0, 64, 2), seed=0)
+    built = {
+        "compact": Llama.from_hf(hf),
+        "cpu target": fast_model(hf),
+        "cpu draft": fast_model(hf, draft=True),
+        "cpu head": fast_model(head),
+    }
+    for name, model in built.items():
+        assert not [key for key, w in model.named_parameters() if w.requires_grad], name
+    compact = built["compact"]
+    compact.setup_cache(2, 16)
+    aux = AuxCapture([compact.layers[i] for i in head.aux_layers(6)])
+    grad_modes = []
+    compact.register_forward_pre_hook(lambda module, args: grad_modes.append(torch.is_grad_enabled()))
+    fake_cuda_capture(monkeypatch)
+    _, _, logits = compact._capture(2, 3)  # (graph, static inputs, logits)
+    assert grad_modes == [False] * 3  # two warm-up forwards, then the capture
+    caches = [c for a in attentions(compact) for c in (a.k_cache, a.v_cache)]
+    assert all(t.grad_fn is None and not t.requires_grad for t in [logits, *aux.bufs, *caches])
 
 
 def test_compact_model_refuses_other_architectures():

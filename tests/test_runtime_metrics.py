@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.models import tiny_llama
+from helpers.models import GPU_PROMPTS, bench_arm_tokens, tiny_llama
 
 from specdec_runtime.bench import format_bench_table, run_bench
 from specdec_runtime.engine import SamplingParams, generate
@@ -143,9 +143,10 @@ def test_stats_aggregate_and_merge():
 
 
 def test_run_bench_smoke():
+    """The CPU twin of test_runtime_gpu's bench test: the same prompts and batches, the same token count."""
     target = tiny_llama(seed=0)
     tokenizer = SimpleNamespace(eos_token_id=None, pad_token_id=0)
-    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    prompts = GPU_PROMPTS  # 5 prompts in batches of 2: the fifth is left out
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warnings a user would trip on
         result = run_bench(
@@ -160,7 +161,7 @@ def test_run_bench_smoke():
             seed=0,
         )
     for mode in ("target_only", "speculative", "hf_assisted"):
-        assert result[mode]["new_tokens"] == 2 * 8 * 3  # one full batch of 2 prompts, 8 tokens, 3 paired repeats
+        assert result[mode]["new_tokens"] == bench_arm_tokens(len(prompts), batch_size=2, max_new_tokens=8)
         assert result[mode]["wall_s"] > 0 and result[mode]["tokens_per_s"] > 0
     assert result["acceptance_rate"] == 1.0 and result["mean_accepted_length"] == 4.0  # the draft is the target
     for key in ("cost_ratio", "verify_cost_ratio", "analytic_speedup", "predicted_speedup", "speedup", "efficiency"):

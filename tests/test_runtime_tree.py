@@ -29,6 +29,7 @@ from helpers.models import (
     tiny_llama,
 )
 from helpers.stats import (
+    CUDA_SAMPLING,
     JOINT_PROMPTS,
     SEQ_LEN,
     SEQ_PROMPTS,
@@ -43,6 +44,7 @@ from helpers.stats import (
     sequence_pvalues,
     sequence_tables,
 )
+from helpers.syncs import count_host_syncs
 
 import specdec_runtime.tree_step as tree_step
 from specdec_runtime.bench import format_bench_table, run_bench
@@ -101,6 +103,26 @@ def test_tree_greedy_identity_with_eos_inside_the_tree(llamas, backend):
         for max_new in (24, 5):
             result = generate(target, draft, LLAMA_PROMPTS, tree=spec, max_new_tokens=max_new, stop_token_ids=[eos])
             assert result.tokens == [row[:max_new] for row in reference], (spec, max_new)
+
+
+def test_static_tree_steps_draft_without_host_syncs(llamas, monkeypatch):
+    """Issue 22: every level of a static tree is drafted with index tensors the plan put on the models' device once
+    (`tree.tree_levels`), so no step copies an index from the host or reads one back; on CUDA each did, per level
+    and step. Greedy output stays the target's."""
+    target, draft = Llama.from_hf(llamas["target"]), Llama.from_hf(llamas["near"])
+    reference = hf_greedy(llamas["target"], LLAMA_PROMPTS, 16)
+    syncs = count_host_syncs(monkeypatch, tree_step, ("_draft_static",))
+    draft_level, levels = tree_step.draft_level, []
+
+    def recorded(level, *args):
+        levels.append(level)
+        return draft_level(level, *args)
+
+    monkeypatch.setattr(tree_step, "draft_level", recorded)
+    for spec in ("3,2,1", "2,2,2,2"):
+        assert generate(target, draft, LLAMA_PROMPTS, tree=spec, max_new_tokens=16).tokens == reference, spec
+    assert not syncs, syncs
+    assert len(levels) > 3 * (3 + 4) and len({id(level.parent) for level in levels}) == 3 + 4  # one per level
 
 
 def test_tree_and_chain_agree_on_a_chain_shaped_tree(llamas):
@@ -508,9 +530,7 @@ def test_tree_distribution_on_cuda():
     hf_target, hf_draft = gpu_llama(0, vocab_size=12, init=0.1), gpu_llama(1, vocab_size=12, init=0.1)
     target = Llama.from_hf(hf_target, dtype=torch.bfloat16)
     draft = Llama.from_hf(hf_draft, dtype=torch.bfloat16)
-    # top_p 1.0: a token near the fp32 reference's nucleus boundary falls in or out of the bf16 nucleus (issue 22);
-    # trees under a nucleus are tested exactly on the CPU (test_tree_output_is_distributed_as_target_only_sampling)
-    sampling = SamplingParams(temperature=1.0, top_p=1.0)
+    sampling = CUDA_SAMPLING  # no nucleus: bf16 would move tokens across its boundary
     prompts = {"short": [5], "long": [3, 9, 1, 7, 2]}
     draws = 20_000
     for tree in ("3,2", "dynamic:6:3:3"):

@@ -17,6 +17,7 @@ from specdec_runtime.tree import (
     static_tree,
     tree_attention_mask,
     tree_from_paths,
+    tree_levels,
     tree_position_ids,
     verify_layout,
     verify_tree_greedy,
@@ -67,9 +68,14 @@ def test_tree_from_paths_orders_levels_and_validates():
 def test_draft_level_places_ranked_children_under_their_parents():
     tree = tree_from_paths([[0], [1], [0, 0], [0, 1], [0, 2], [1, 0]])
     q_root = torch.tensor([[[0.1, 0.5, 0.0, 0.4, 0.0]]])  # (B=1, F=1, V)
-    assert draft_level(tree, 1, q_root, "top_k", None).tolist() == [[1, 3]]
+    levels = tree_levels(tree, "cpu")
+    assert [(level.k, level.parent.tolist(), level.rank.tolist()) for level in levels] == [
+        (2, [0, 0], [0, 1]),
+        (3, [0, 0, 0, 1], [0, 1, 2, 0]),
+    ]
+    assert draft_level(levels[0], q_root, "top_k", None).tolist() == [[1, 3]]
     q_level1 = torch.tensor([[[0.0, 0.2, 0.3, 0.1, 0.4], [0.9, 0.0, 0.05, 0.05, 0.0]]])  # (1, 2, V)
-    assert draft_level(tree, 2, q_level1, "top_k", None).tolist() == [[4, 2, 1, 0]]
+    assert draft_level(levels[1], q_level1, "top_k", None).tolist() == [[4, 2, 1, 0]]
 
 
 def test_sampled_siblings_are_distinct_even_past_the_support():
@@ -228,9 +234,10 @@ def run_tree_step(q_root: torch.Tensor, draw: str, check: str, n: int, seed: int
     """One speculative step over a [3, 2] tree for n rows, completed to 3 tokens by target-only sampling -> (n, 3)."""
     g = torch.Generator().manual_seed(seed)
     tree = static_tree([3, 2])
-    t1 = draft_level(tree, 1, q_root.float().expand(n, 1, V), draw, g)  # (n, 3)
+    levels = tree_levels(tree, "cpu")
+    t1 = draft_level(levels[0], q_root.float().expand(n, 1, V), draw, g)  # (n, 3)
     q1 = Q_NEXT.float()[t1]  # (n, 3, V) draft at the depth-1 nodes
-    t2 = draft_level(tree, 2, q1, draw, g)  # (n, 6)
+    t2 = draft_level(levels[1], q1, draw, g)  # (n, 6)
     tokens = torch.cat([t1, t2], 1)  # (n, 9)
     t2_parent = t1.gather(1, tree.parents[3:].expand(n, 6))  # (n, 6) token of each leaf's parent
     p = torch.cat([P_ROOT.float().expand(n, 1, V), P_NEXT.float()[t1], P_NEXT2.float()[t2_parent, t2]], 1)

@@ -1,4 +1,4 @@
-"""Tiny random models built in code (CPU and CUDA), HF greedy references and per-row trees."""
+"""Tiny random models built in code (CPU and CUDA), HF greedy references, per-row trees and the bench's token count."""
 
 from __future__ import annotations
 
@@ -56,11 +56,27 @@ def hf_greedy(model, prompts, max_new: int, eos: int | None = None) -> list[list
 GPU_PROMPTS = [*LLAMA_PROMPTS, [8, 30]]
 
 
-def gpu_llama(seed: int, vocab_size: int = 64, init: float = 0.2) -> LlamaForCausalLM:
-    """A wider tiny Llama on the GPU; a large `init` spreads the logits out: fewer bf16 near-ties."""
+def bench_arm_tokens(num_prompts: int, batch_size: int, max_new_tokens: int, repeats: int = 3) -> int:
+    """New tokens one arm of `run_bench` emits without a stop token: only full batches run (the remainder is left
+    out), each prompt emits max_new_tokens, and the arm's calls are pooled over the paired repeats."""
+    return num_prompts // batch_size * batch_size * max_new_tokens * repeats
+
+
+def gpu_llama(
+    seed: int, vocab_size: int = 64, init: float = 0.2, layers: int = 2, device: str = "cuda"
+) -> LlamaForCausalLM:
+    """A wider tiny Llama for the GPU tests (on `device`: the CPU builds the same weights, for checks of its shapes);
+    a large `init` spreads the logits out: fewer bf16 near-ties. An EAGLE-3 head needs `layers` >= 4 (aux layers
+    in [1, L - 1], the default [2, L // 2, L - 3])."""
     return tiny_llama(
-        seed, vocab_size, hidden_size=64, intermediate_size=128, max_position_embeddings=512, initializer_range=init
-    ).cuda()
+        seed,
+        vocab_size,
+        layers,
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        initializer_range=init,
+    ).to(device)
 
 
 def gpu_perturbed(model: LlamaForCausalLM, scale: float) -> LlamaForCausalLM:
@@ -85,7 +101,7 @@ def assert_same_up_to_ties(hf_fp32: LlamaForCausalLM, prompts, got_rows, want_ro
             assert got == want, label
             continue
         with torch.no_grad():
-            logits = hf_fp32(input_ids=torch.tensor([prompt + want[:split]], device="cuda")).logits[0, -1]
+            logits = hf_fp32(input_ids=torch.tensor([prompt + want[:split]], device=hf_fp32.device)).logits[0, -1]
         top = logits.topk(2).values
         assert float(top[0] - top[1]) < 0.05 * float(logits.abs().max()), f"{label}: parted at {split}, not a tie"
 

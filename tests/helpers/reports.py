@@ -1,8 +1,13 @@
-"""A synthetic eval report for the report, recommendation and promotion tests."""
+"""A synthetic eval report for the report, recommendation and promotion tests, and a promotable EAGLE-3 run (a local
+target, a head for it, a report recommending it) for the engine snippet and conformance tests."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from specdec_runtime.tree import parse_tree, tree_size
 
@@ -170,3 +175,78 @@ def make_report(tmp_path, *, enabled: bool = True, trees: tuple[str, ...] = ()) 
             "max_concurrency": 1,
         },
     }
+
+
+HEAD_VOCAB = torch.arange(0, 240, 10)  # 24 target ids of the 259-token byte vocabulary; the last + 1 is valid too
+
+
+def eagle3_run(
+    folder: Path,
+    *,
+    aux_layers: tuple[int, ...] | None = (1, 3, 5),
+    draft_rule: str = "sample",
+    gamma: int = 3,
+    max_concurrency: int = 4,
+    measured_concurrency: tuple[int, ...] = (1, 4, 16),
+) -> SimpleNamespace:
+    """What promotion of an EAGLE-3 head starts from: `folder/target` (an 8-layer tiny Llama with the byte-level
+    tokenizer, a local HF folder as a user's target would be), `folder/candidates/eagle3/best` (a head for it with
+    every weight random, so each one shows in the outputs; its config.json without aux ids when `aux_layers` is
+    None, as heads saved before issue 23 were) and `folder/eval/report.json` recommending it at temperature 1 with
+    `draft_rule` and `gamma`, confirmed up to `max_concurrency` of `measured_concurrency`."""
+    from eval.results import target_fingerprint
+    from helpers.models import tiny_llama
+    from specdec_runtime.eagle3 import Eagle3Draft
+    from specdec_runtime.tiny import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    target = tiny_llama(seed=3, vocab_size=len(tokenizer), layers=8)  # default aux layers [2, 4, 5]
+    target.save_pretrained(folder / "target")
+    tokenizer.save_pretrained(folder / "target")
+    head = Eagle3Draft.from_target(target, HEAD_VOCAB, list(aux_layers) if aux_layers else None, seed=0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    best = folder / "candidates" / "eagle3" / "best"
+    head.save_pretrained(best)
+    tokenizer.save_pretrained(best)
+    if aux_layers is None:
+        config = json.loads((best / "config.json").read_text())
+        del config["eagle_aux_hidden_state_layer_ids"], config["eagle_config"]
+        (best / "config.json").write_text(json.dumps(config))
+    confirmed = {"acceptance_rate": 0.62, "mean_accepted_length": 2.4, "speedup": 1.6, "speedup_ci": [1.5, 1.7]}
+    rec = {
+        "name": "eagle3",
+        "draft": str(best),
+        "kind": "eagle3",
+        "num_draft_tokens": gamma,
+        "draft_rule": draft_rule,
+        "temperature": 1.0,
+        "enabled": True,
+        "reason": f"both gates passed: eagle3 at num_draft_tokens={gamma} (T=1, {draft_rule})",
+        "confirmation": {
+            **confirmed,
+            "split": "confirmation",
+            "batch_size": 1,
+            "prompts": 8,
+            "max_concurrency": max_concurrency,
+            "measured_concurrency": list(measured_concurrency),
+        },
+    }
+    setting = {"num_draft_tokens": gamma, "temperature": 1.0, "draft_rule": draft_rule, **confirmed}
+    report = {
+        "schema_version": 1,
+        "created_at": "2026-11-29T12:00:00Z",
+        "target": str(folder / "target"),
+        "target_fingerprint": target_fingerprint(target, tokenizer),
+        "device": "cpu",
+        "prompts": {"source": "builtin:test", "count": 16},
+        "candidates": [{"name": "eagle3", "draft": str(best), "kind": "eagle3", "settings": [setting]}],
+        "recommendation": rec,
+    }
+    (folder / "eval").mkdir(parents=True, exist_ok=True)
+    (folder / "eval" / "report.json").write_text(json.dumps(report))
+    return SimpleNamespace(
+        target=target, tokenizer=tokenizer, head=Eagle3Draft.from_pretrained(best), best=best,
+        target_dir=folder / "target", report=folder / "eval" / "report.json",
+    )  # fmt: skip

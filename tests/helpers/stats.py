@@ -117,6 +117,10 @@ def sequence_pvalues(rows: list[list[int]], table: torch.Tensor, sampling: Sampl
 
 
 JOINT_PROMPTS = {"short": [5], "long": [3, 9, 1, 7, 2]}
+CUDA_SAMPLING = SamplingParams(temperature=1.0, top_p=1.0)
+"""The CUDA distribution tests' sampling against an fp32 reference: no nucleus, since bf16 moves probabilities by
+~0.5 % and a token near the reference's nucleus boundary would fall in or out of it, which 20k draws see (issue 22;
+the nucleus is tested exactly on the CPU)."""
 
 
 def llama_joint_pvalues(
