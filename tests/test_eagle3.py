@@ -4,13 +4,13 @@ the vocabulary maps, the cache, and that training-time test computes what infere
 from __future__ import annotations
 
 import json
-import os
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers.models import tiny_llama
+from helpers.runs import require_speculators
 from safetensors.torch import load_file
 
 from distill.eagle3 import choose_draft_vocab, draft_targets, shift, ttt_logits
@@ -119,10 +119,8 @@ def test_speculators_reads_the_export(target, tmp_path):
             from speculators.convert.eagle.eagle3_converter import Eagle3Converter
             from speculators.convert.eagle.eagle3_legacy_model import Eagle3Speculator
             from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    except ImportError as e:
-        if os.environ.get("SPECDISTILL_REQUIRE_SPECULATORS") == "1":
-            pytest.fail(f"speculators not importable ({e}): make install puts it in with --no-deps", pytrace=False)
-        pytest.skip(f"speculators not installed ({e}); `make install` adds it")
+    except ImportError:
+        require_speculators()
     target.save_pretrained(tmp_path / "target")
     head(target, aux=[1, 3, 5]).save_pretrained(tmp_path / "draft")
     config = json.loads((tmp_path / "draft" / "config.json").read_text())

@@ -2,7 +2,6 @@
 test fails instead of skipping, the GPU bench captures its graphs before the timed calls and its checks fail loudly,
 and the CUDA distribution tests' reference has no nucleus boundary within bf16 noise."""
 
-import importlib.util
 import json
 import math
 import os
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.models import gpu_llama, tiny_llama
+from helpers.runs import load_benchmark
 from helpers.stats import CUDA_SAMPLING, JOINT_PROMPTS
 
 from specdec_runtime.llama import Llama
@@ -24,10 +24,7 @@ NO_CUDA = {"CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}  # this machine
 
 @pytest.fixture(scope="module")
 def gpu_bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_bench")
 
 
 # --------------------------------------------------------------------------------------------------- gpu_smoke.sh

@@ -2,21 +2,18 @@
 differ consistently on the same prompts even where their own intervals overlap, and must not separate two drafts
 that differ only by noise."""
 
-import importlib.util
 import random
 from pathlib import Path
 
 import pytest
+from helpers.runs import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("recipe_study", ROOT / "benchmarks" / "recipe_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("recipe_study")
 
 
 def drafts(shift: float, seed: int = 0, prompts: int = 20) -> tuple[list, list]:

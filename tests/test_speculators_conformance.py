@@ -19,7 +19,6 @@ eagle_aux_hidden_state_layer_ids), so a head converted without its aux layers re
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import warnings
@@ -28,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.reports import eagle3_run
+from helpers.runs import require_speculators
 from safetensors.torch import load_file, save_file
 
 from eval.promote import promote
@@ -56,10 +56,8 @@ def speculators():
             from speculators.models.eagle3 import Eagle3SpeculatorConfig
             from speculators.models.eagle3.core import Eagle3DraftModel
             from speculators.proposals.greedy import GreedyTokenProposalConfig
-    except ImportError as e:
-        if os.environ.get("SPECDISTILL_REQUIRE_SPECULATORS") == "1":
-            pytest.fail(f"speculators not importable ({e}): `make install` puts it in", pytrace=False)
-        pytest.skip(f"speculators not installed ({e}); `make install` adds it")
+    except ImportError:
+        require_speculators()
     return SimpleNamespace(
         typer=typer, app=app, SpeculatorsConfig=SpeculatorsConfig, VerifierConfig=VerifierConfig,
         Eagle3SpeculatorConfig=Eagle3SpeculatorConfig, Eagle3DraftModel=Eagle3DraftModel,

@@ -234,3 +234,25 @@ def offline_run(run_dir: Path, timeout: float = 60.0) -> tuple[list[dict], list,
     ]
     artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
     return history, artifacts, run_file.read_bytes()
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the folder is not a package): its functions are tested like any other."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, TESTS.parent / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def require_speculators() -> None:
+    """Fail (CI: SPECDISTILL_REQUIRE_SPECULATORS=1) or skip when the speculators package is missing; call it from
+    the `except ImportError` of the test's own imports of speculators."""
+    import os
+    import sys
+
+    error = sys.exc_info()[1]
+    if os.environ.get("SPECDISTILL_REQUIRE_SPECULATORS") == "1":
+        pytest.fail(f"speculators not importable ({error}): `make install` puts it in with --no-deps", pytrace=False)
+    pytest.skip(f"speculators not installed ({error}); `make install` adds it")
