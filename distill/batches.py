@@ -22,6 +22,7 @@ import torch
 
 from distill.config import DataConfig
 from distill.data import load_teacher_data
+from specdec_runtime.errors import UserError
 
 IGNORE = -100  # label of a position that predicts no response token
 
@@ -33,14 +34,14 @@ def load_training_split(
     column (the top-k cache) or holds nothing to learn from within `max_seq_len` tokens."""
     ds = load_teacher_data(path)
     if len(ds) == 0:
-        raise ValueError(f"{path} holds no sequences; generate the {split} data again")
+        raise UserError(f"{path} holds no sequences; generate the {split} data again")
     if missing := [c for c in columns if c not in ds.column_names]:
-        raise ValueError(
+        raise UserError(
             f"{path} has no {missing} columns; distill.teacher=cache needs data generated with data.teacher_cache=true"
         )
     full = int((np.asarray(ds.select_columns(["prompt_len"])[:]["prompt_len"]) >= max_seq_len).sum())
     if full == len(ds):
-        raise ValueError(
+        raise UserError(
             f"every prompt in {path} fills train.max_seq_len={max_seq_len}: no response token is left to learn "
             "from; raise train.max_seq_len"
         )

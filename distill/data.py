@@ -47,6 +47,7 @@ from distill.self_instruct import self_instruct_prompts
 from specdec_runtime.atomic import staged_dir, write_text
 from specdec_runtime.backends import BackendOptions, fast_model
 from specdec_runtime.engine import SamplingParams, generate
+from specdec_runtime.errors import UserError
 from specdec_runtime.loading import stop_token_ids
 
 FORMAT_VERSION = 2  # bump when the columns or the sampling scheme change, so old caches are not reused
@@ -123,7 +124,7 @@ def generate_teacher_data(
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     vocab = teacher.config.vocab_size
     if cfg.teacher_cache and cfg.teacher_cache_top_k > vocab:
-        raise ValueError(
+        raise UserError(
             f"data.teacher_cache_top_k={cfg.teacher_cache_top_k} exceeds the teacher's vocabulary ({vocab}); lower it"
         )
     out_dir = Path(out_dir)
@@ -142,7 +143,7 @@ def generate_teacher_data(
     prompt_ids = {}
     for split, (source, records) in splits.items():  # every check before any generation
         if not records:
-            raise ValueError(f"no prompts to answer from {source!r}; pass a prompt set with at least one prompt")
+            raise UserError(f"no prompts to answer from {source!r}; pass a prompt set with at least one prompt")
         prompt_ids[split] = render_prompts(tokenizer, records, cfg.max_prompt_tokens)
         check_context(teacher, records, prompt_ids[split], cfg.max_new_tokens)
     with _datasets_bars_off():
@@ -167,7 +168,7 @@ def load_teacher_data(path: Path) -> datasets.Dataset:
     """The finished dataset at `path`; refuses a folder whose generation has not completed."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
-        raise ValueError(
+        raise UserError(
             f"{path} is not a finished teacher dataset (no {COMPLETE} marker): its generation was "
             "interrupted or is still running; rerun `specdistill data` to finish it"
         )
@@ -185,7 +186,7 @@ def check_context(teacher, records: list[PromptRecord], prompt_ids: list[list[in
         return
     longest = max(range(len(records)), key=lambda i: len(prompt_ids[i]))
     if len(prompt_ids[longest]) + max_new_tokens > context:
-        raise ValueError(
+        raise UserError(
             f"prompt {records[longest].id!r} has {len(prompt_ids[longest])} tokens: with data.max_new_tokens="
             f"{max_new_tokens} it exceeds the teacher's context of {context} tokens; lower data.max_new_tokens or "
             "data.max_prompt_tokens (longer prompts are refused)"
@@ -225,7 +226,7 @@ def render_prompts(tokenizer, records: list[PromptRecord], max_prompt_tokens: in
     for record in records:
         ids = render_chat(tokenizer, record.messages)
         if len(ids) > max_prompt_tokens:
-            raise ValueError(
+            raise UserError(
                 f"prompt {record.id!r} has {len(ids)} tokens after the chat template, more than "
                 f"data.max_prompt_tokens={max_prompt_tokens}; shorten or drop it, or raise the limit"
             )

@@ -48,6 +48,7 @@ from specdec_runtime.eagle3 import (
     to_target_logits,
     ttt_mask,
 )
+from specdec_runtime.errors import UserError
 
 VOCAB_FILE = "draft_vocab.json"  # <cand>/draft_vocab.json: the draft vocabulary, counted once per candidate
 # A finite stand-in for log 0 in dense teacher logits built from the top-k cache: finite, so 0 * (finite) keeps the
@@ -160,7 +161,7 @@ def cache_aux_index(stored: list[int], wanted: list[int], hidden_size: int) -> T
     """Column indices into the cached (..., len(stored) * H) aux states that give `wanted`'s (..., 3H)."""
     missing = [i for i in wanted if i not in stored]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"the offline teacher cache holds the hidden states of layers {stored}, not {missing}: regenerate the "
             "data (specdistill data) with this candidate's draft.aux_layers"
         )
@@ -414,7 +415,7 @@ class Eagle3Training:
         log=print,
     ):
         if distill_cfg.lmbda > 0:
-            raise ValueError("distill.lmbda > 0 (on-policy data) is not supported for draft.init=eagle3; set it to 0")
+            raise UserError("distill.lmbda > 0 (on-policy data) is not supported for draft.init=eagle3; set it to 0")
         student, coverage = build_eagle3_student(teacher, draft_cfg, teacher_data.train, cand, is_main=is_main, log=log)
         L, H = teacher.config.num_hidden_layers, teacher.config.hidden_size
         aux = student.aux_layers(L)
@@ -422,7 +423,7 @@ class Eagle3Training:
         if distill_cfg.teacher == "cache":
             stored = cached_layers_of(teacher_data.train)
             if stored is None:
-                raise ValueError(
+                raise UserError(
                     f"{teacher_data.train} holds no aux hidden states: an EAGLE-3 candidate with distill.teacher=cache "
                     "needs data generated with data.teacher_cache=true after this candidate was configured"
                 )

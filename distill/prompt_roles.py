@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 from distill.config import DataConfig
 from distill.prompts import SELF_INSTRUCT, PromptRecord, concat_sources, load_prompts, load_sources
+from specdec_runtime.errors import UserError
 
 
 def prompt_key(record: PromptRecord) -> tuple:
@@ -93,7 +94,7 @@ def drop_validation_prompts(
             "prompts (data.validation_prompts): validation prompts are never trained on"
         )
     if records and not kept:
-        raise ValueError(
+        raise UserError(
             "every training prompt is also a validation prompt; point data.prompts and data.validation_prompts at "
             "disjoint sets (e.g. builtin:train and builtin:validation)"
         )
@@ -111,7 +112,7 @@ def check_test_prompts(cfg: DataConfig, test: Sequence[PromptRecord], source: st
     shared = {role: n for role, records in roles.items() if (n := overlap_count(test, records))}
     if shared:
         overlaps = " and ".join(f"{n} with the {role}" for role, n in shared.items())
-        raise ValueError(
+        raise UserError(
             f"{len(test)} test prompts (eval.prompts={source}) share {overlaps}; test prompts must be unseen by "
             "training and checkpoint selection: point eval.prompts at a disjoint set (e.g. builtin:test)"
         )

@@ -30,11 +30,15 @@ prompts span the categories.
 given context, all under 384 tokens after SmolLM2's chat template (data.max_prompt_tokens): summaries of a given
 passage, questions over a passage, paragraphs to translate, multi-sentence math word problems and multi-turn chats.
 It is disjoint from every other shipped prompt and is no split of `builtin`, whose contents and order stay fixed.
+
+This is where prompt sources are read: a missing, unreadable, non-UTF-8, truncated or malformed source raises
+`UserError` naming the file (and the record), so the CLI prints one line.
 """
 
 import csv
 import difflib
 import hashlib
+import io
 import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdec_runtime.atomic import write_text
+from specdec_runtime.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -95,17 +100,17 @@ def load_prompts(source: str | Path, *, split: str | None = None, limit: int | N
             rows = _read_datasets_folder(path, split)
         elif path.is_file():
             if split is not None:
-                raise ValueError(
+                raise UserError(
                     f"split={split!r} applies to datasets folders, hub ids and 'builtin'; {source} is a file"
                 )
             rows = _read_file(path)
         elif _looks_like_path(source):
-            raise FileNotFoundError(f"prompt file not found: {source}")
+            raise UserError(f"prompt file not found: {source}")
         else:
             rows = _read_hub(source, split)
         records = records_from_rows(rows, source)
     if not records:
-        raise ValueError(f"{source} has no prompts (0 records)")
+        raise UserError(f"{source} has no prompts (0 records); add prompts to it or pass another source")
     return records[:limit]
 
 
@@ -135,8 +140,8 @@ def load_sources(
     for i, source in enumerate(sources):
         try:
             parts.append((source, _load_source(source, self_instruct)))
-        except (ValueError, FileNotFoundError) as e:
-            raise type(e)(f"data.prompts[{i}] ({source}): {e}") from None
+        except UserError as e:
+            raise UserError(f"data.prompts[{i}] ({source}): {e}") from None
     return parts
 
 
@@ -153,7 +158,7 @@ def concat_sources(parts: Sequence[tuple[str, Sequence[PromptRecord]]]) -> list[
     out: list[PromptRecord] = []
     for source, records in parts:
         if clash := next((r.id for r in records if r.id in source_of), None):
-            raise ValueError(
+            raise UserError(
                 f"data.prompts: prompt id {clash!r} is in both {source_of[clash]} and {source}; ids must be unique "
                 "across the sources: drop one of them or rename the id"
             )
@@ -170,7 +175,7 @@ def save_prompts(records: Sequence[PromptRecord], path: str | Path) -> None:
 
 def _load_builtin(name: str | None, split: str | None) -> list[PromptRecord]:
     if name and split and name != split:
-        raise ValueError(f"'builtin:{name}' conflicts with split={split!r}")
+        raise UserError(f"'builtin:{name}' conflicts with split={split!r}")
     which = name or split
     if which in BUILTIN_TRAINING_SETS:
         return _read_builtin_file(BUILTIN_TRAINING_SETS[which])
@@ -178,7 +183,7 @@ def _load_builtin(name: str | None, split: str | None) -> list[PromptRecord]:
         valid = [*BUILTIN_SPLITS, *BUILTIN_TRAINING_SETS]
         close = difflib.get_close_matches(which, valid, n=1)
         hint = f" Did you mean 'builtin:{close[0]}'?" if close else ""
-        raise ValueError(
+        raise UserError(
             f"unknown builtin split {which!r}.{hint} Valid: 'builtin', " + ", ".join(f"builtin:{v}" for v in valid)
         )
     records = _read_builtin_file("specdistill_prompts.jsonl")
@@ -221,46 +226,85 @@ def _looks_like_path(source: str) -> bool:
 
 
 def _read_file(path: Path) -> list[Any]:
+    """The rows of a prompt file; a file that cannot be read or decoded is refused naming it and the fix."""
     suffix = path.suffix.lower()
+    if suffix not in FILE_SUFFIXES:
+        raise UserError(
+            f"{path}: unsupported prompt file type {suffix!r}; use {', '.join(FILE_SUFFIXES)}, "
+            "a datasets folder, or 'builtin'"
+        )
+    try:
+        if suffix == ".parquet":
+            return _read_parquet(path)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise UserError(f"cannot read prompt file {path}: {e.strerror or e}") from None
     if suffix == ".jsonl":
-        return _parse_jsonl(path.read_text(encoding="utf-8"), str(path))
+        return _parse_jsonl(text, str(path))
     if suffix == ".json":
-        return _parse_json(path.read_text(encoding="utf-8"), str(path))
-    if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            # An empty cell means "absent", so a CSV may mix prompt and messages columns.
-            return [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
+        return _parse_json(text, str(path))
+    # An empty cell means "absent", so a CSV may mix prompt and messages columns.
+    try:
+        return [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(io.StringIO(text, newline=""))]
+    except csv.Error as e:
+        raise UserError(f"{path} is not a valid CSV file ({e}); fix it or save it again") from None
 
+
+def _read_parquet(path: Path) -> list[Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
         return pq.read_table(path).to_pylist()
-    raise ValueError(
-        f"{path}: unsupported prompt file type {suffix!r}; use {', '.join(FILE_SUFFIXES)}, "
-        "a datasets folder, or 'builtin'"
-    )
+    except pa.ArrowException as e:  # truncated, not parquet at all
+        raise UserError(f"{path} is not a readable parquet file ({str(e).splitlines()[0]}); write it again") from None
 
 
 def _parse_jsonl(text: str, name: str) -> list[Any]:
     rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    lines = text.splitlines()
+    for lineno, line in enumerate(lines, 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{name}: line {lineno} is not valid JSON ({e.msg})") from None
+                cut = ": the file ends there (truncated?)" if lineno == len(lines) else ""
+                raise UserError(
+                    f"{name}: line {lineno} is not valid JSON ({e.msg}: column {e.colno}){cut}; fix or drop the line"
+                ) from None
     return rows
 
 
 def _parse_json(text: str, name: str) -> list[Any]:
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
-        return _parse_jsonl(text, name)  # JSON Lines saved under a .json name
+    except json.JSONDecodeError as e:
+        first = next((line for line in text.splitlines() if line.strip()), "")
+        if _is_json(first):  # JSON Lines saved under a .json name
+            return _parse_jsonl(text, name)
+        ends_early = not text[e.pos :].strip() or e.msg.startswith("Unterminated string")
+        cut = ": the file ends early (truncated?)" if ends_early else ""
+        raise UserError(
+            f"{name} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno}){cut}; fix it, or write it as "
+            "a JSON list of objects or JSON Lines"
+        ) from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         return data["data"]
     if isinstance(data, list):
         return data
-    raise ValueError(f'{name}: expected a list of objects or {{"data": [...]}}, got a {type(data).__name__}')
+    raise UserError(f'{name}: expected a list of objects or {{"data": [...]}}, got a {type(data).__name__}')
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _read_datasets_folder(path: Path, split: str | None) -> list[Any]:
@@ -269,9 +313,12 @@ def _read_datasets_folder(path: Path, split: str | None) -> list[Any]:
     try:
         ds = datasets.load_from_disk(str(path))
     except FileNotFoundError:
-        raise ValueError(f"{path} is a folder but not a datasets folder saved with save_to_disk") from None
+        raise UserError(f"{path} is a folder but not a datasets folder saved with save_to_disk") from None
+    except (OSError, ValueError) as e:  # a damaged folder: truncated arrow files, broken JSON metadata
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"cannot read the datasets folder {path} ({why}); save it again with save_to_disk") from None
     if isinstance(ds, datasets.Dataset) and split is not None:
-        raise ValueError(f"{path} holds a single Dataset; drop split={split!r}")
+        raise UserError(f"{path} holds a single Dataset; drop split={split!r}")
     return _pick_split(ds, split, str(path)).to_list()
 
 
@@ -280,7 +327,7 @@ def _read_hub(dataset_id: str, split: str | None) -> list[Any]:
 
     from specdec_runtime.loading import hub_reachable
 
-    offline = ConnectionError(
+    offline = UserError(
         f"no network access to the Hugging Face hub for dataset '{dataset_id}'; pass a local file or folder "
         "(JSONL/JSON/CSV/parquet/datasets folder) or 'builtin'"
     )
@@ -290,6 +337,12 @@ def _read_hub(dataset_id: str, split: str | None) -> list[Any]:
         ds = datasets.load_dataset(dataset_id, split=split)
     except ConnectionError:
         raise offline from None
+    except FileNotFoundError as e:  # datasets' DatasetNotFoundError: no such id, or a private one
+        why = str(e).splitlines()[0] if str(e) else "not found"
+        raise UserError(f"dataset '{dataset_id}' not found on the Hugging Face hub ({why}); check the id") from None
+    except OSError as e:  # the hub answered with an HTTP error (gated, rate-limited, ...)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"cannot load dataset '{dataset_id}' from the Hugging Face hub: {why}") from None
     return _pick_split(ds, None, dataset_id).to_list()
 
 
@@ -302,7 +355,7 @@ def _pick_split(ds: Any, split: str | None, name: str) -> Any:
         return next(iter(ds.values()))
     if split is None or split not in ds:
         # Never guess between several splits: picking 'train' silently could train on a validation or test split.
-        raise ValueError(f"{name} has splits {list(ds)}; pass split=<one of them>")
+        raise UserError(f"{name} has splits {list(ds)}; pass split=<one of them>")
     return ds[split]
 
 
@@ -313,7 +366,7 @@ def _pick_split(ds: Any, split: str | None, name: str) -> Any:
 def _parse_row(row: Any, index: int, name: str) -> PromptRecord:
     where = f"{name}: record {index}"
     if not isinstance(row, Mapping):
-        raise ValueError(f"{where} is a {type(row).__name__}, not an object with one of {', '.join(ACCEPTED_FIELDS)}")
+        raise UserError(f"{where} is a {type(row).__name__}, not an object with one of {', '.join(ACCEPTED_FIELDS)}")
     turns = None
     if row.get("messages") is not None:
         messages = _check_messages(_json_if_str(row["messages"]), where)
@@ -345,37 +398,37 @@ def _prompt_text(row: Mapping, where: str) -> str:
     elif row.get("question") is not None:
         key, text = "question", row["question"]
     else:
-        raise ValueError(f"{where} has none of the accepted fields {', '.join(ACCEPTED_FIELDS)} (keys: {sorted(row)})")
+        raise UserError(f"{where} has none of the accepted fields {', '.join(ACCEPTED_FIELDS)} (keys: {sorted(row)})")
     if not isinstance(text, str):
-        raise ValueError(f"{where}: field '{key}' must be a string, got {type(text).__name__}")
+        raise UserError(f"{where}: field '{key}' must be a string, got {type(text).__name__}")
     if not text.strip():
-        raise ValueError(f"{where}: empty prompt in field '{key}'")
+        raise UserError(f"{where}: empty prompt in field '{key}'")
     return text
 
 
 def _check_messages(messages: Any, where: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     out = []
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: message {j} must be {{role: one of {ROLES}, content: string}}, got {m!r}")
+            raise UserError(f"{where}: message {j} must be {{role: one of {ROLES}, content: string}}, got {m!r}")
         if not m["content"].strip():
-            raise ValueError(f"{where}: message {j} has empty content")
+            raise UserError(f"{where}: message {j} has empty content")
         out.append({"role": m["role"], "content": m["content"]})
     # A conversation that ends with a reply loses that reply: the teacher writes its own (sequence-level KD).
     while out and out[-1]["role"] == "assistant":
         out.pop()
     if not out or out[-1]["role"] != "user":
-        raise ValueError(f"{where}: 'messages' has no user turn to answer")
+        raise UserError(f"{where}: 'messages' has no user turn to answer")
     return out
 
 
 def _check_turns(turns: Any, where: str) -> list[str]:
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-        raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+        raise UserError(f"{where}: 'turns' must be a non-empty list of strings")
     if any(not t.strip() for t in turns):
-        raise ValueError(f"{where}: 'turns' has an empty turn")
+        raise UserError(f"{where}: 'turns' has an empty turn")
     return list(turns)
 
 
@@ -453,9 +506,10 @@ def render_chat(
         raise ValueError("messages must end with a user turn")
     if tokenizer.chat_template is None:
         if not plain_fallback:
-            raise ValueError(
+            raise UserError(
                 f"tokenizer {tokenizer.name_or_path or '(unnamed)'!r} has no chat template; use a chat/instruct "
-                "model, set tokenizer.chat_template, or pass plain_fallback=True for plain 'User: ...' text"
+                "model or add a chat_template to its tokenizer_config.json (in the API: plain_fallback=True for "
+                "plain 'User: ...' text)"
             )
         text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
         return list(tokenizer(text)["input_ids"])

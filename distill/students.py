@@ -24,6 +24,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec_runtime.errors import UserError
 from specdec_runtime.loading import check_vocab_compatible, load_model
 
 # Config attributes holding one entry per decoder layer; truncation keeps the kept layers' entries.
@@ -244,9 +245,9 @@ def pretrained_student(
     teacher_rows, student_rows = teacher.config.vocab_size, student.config.vocab_size
     if teacher_rows != student_rows:
         if min(teacher_rows, student_rows) < len(tokenizer):
-            raise ValueError(
-                f"embedding rows differ (teacher {teacher_rows}, student {student_rows}) and do not "
-                f"cover the {len(tokenizer)} tokens of the tokenizer"
+            raise UserError(
+                f"draft.pretrained={spec}: embedding rows differ (teacher {teacher_rows}, student {student_rows}) and "
+                f"do not cover the {len(tokenizer)} tokens of the tokenizer; pick a draft of the teacher's model family"
             )
         student.resize_token_embeddings(teacher_rows, mean_resizing=False)
     return student.to(teacher.device)  # in the dtype load_model gave it: a bf16 cast would round fp32 weights
@@ -382,6 +383,7 @@ def build_student(
     `teacher_tokenizer`, see `pretrained_student`. With `cfg.lora` the result is a peft model: use `merge_student`
     to export it.
     """
+    check_fits_teacher(cfg, teacher.config)
     match cfg.init:
         case "truncate":
             layers = cfg.layers or evenly_spaced_layers(teacher.config.num_hidden_layers, cfg.num_layers)
@@ -403,6 +405,26 @@ def build_student(
     if cfg.lora:
         student = add_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
     return student
+
+
+def check_fits_teacher(cfg: DraftConfig, teacher_config) -> None:
+    """Refuse a draft section that does not fit the loaded teacher (the checks `DraftConfig` cannot make alone),
+    naming the draft.* key: truncation keeps at most the teacher's layers; init=config's head counts must divide."""
+    L = teacher_config.num_hidden_layers
+    if cfg.init == "truncate" and cfg.layers is None and cfg.num_layers > L:
+        raise UserError(f"draft.num_layers={cfg.num_layers} truncates a {L}-layer teacher; set it to at most {L}")
+    if cfg.init == "truncate" and cfg.layers is not None and cfg.layers[-1] >= L:
+        raise UserError(f"draft.layers={cfg.layers} must be indices in [0, {L - 1}] (the teacher's layers)")
+    if cfg.init == "config":
+        hidden = cfg.hidden_size or teacher_config.hidden_size
+        heads = cfg.num_attention_heads or teacher_config.num_attention_heads
+        kv_heads = cfg.num_key_value_heads or teacher_config.num_key_value_heads
+        if hidden % heads or heads % kv_heads:
+            raise UserError(
+                f"draft: num_attention_heads {heads} must divide hidden_size {hidden}, and num_key_value_heads "
+                f"{kv_heads} must divide num_attention_heads (unset sizes are the teacher's); change "
+                "draft.hidden_size, draft.num_attention_heads or draft.num_key_value_heads"
+            )
 
 
 def _check_no_shared_tensors(student: nn.Module, teacher: nn.Module) -> None:

@@ -9,6 +9,12 @@ the base weights). Output: safetensors weights, config.json, generation_config.j
 (eval numbers, training config, serving snippets), and nothing else: no optimizer, RNG or trainer state. The folder
 is written under a temporary name and renamed (`atomic.staged_dir`), so an interrupted export never looks finished.
 
+Nothing already there is lost by accident (issue 24): the export folder is checked before the draft is read. It may
+never be the draft's own folder, lie inside it or contain it (`--force` or not); an existing non-empty folder is
+refused unless `force` (`--force`), which replaces it only once the new export is complete. `promote` re-exports into
+<export_root>/<name> over its own previous export (`not_an_export`: the card and only the files an export writes),
+never over a folder holding anything else.
+
 An EAGLE-3 head (`draft.init: eagle3`) is already in the layout vLLM and SGLang load (shared/EAGLE3.md): its export is
 its config.json (with the aux layer ids always written, issue 23), model.safetensors and tokenizer files, plus the
 card, which states the kind, the aux layers, the draft vocabulary's coverage and the `speculators convert` command.
@@ -19,9 +25,12 @@ promotes; a plain export takes the report's recommendation for this draft, else 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -37,10 +46,13 @@ from eval.engines import (
 )
 from specdec_runtime import atomic
 from specdec_runtime.eagle3 import CONFIG_FILE, WEIGHTS_FILE, aux_layer_keys, default_aux_layers, is_eagle3_folder
+from specdec_runtime.errors import UserError
 from specdec_runtime.loading import load_checkpoint
 
 # Files of an EAGLE-3 checkpoint copied into its export besides config.json and model.safetensors: the tokenizer's.
 TOKENIZER_PREFIXES = ("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges", "added_tokens")
+# The card's front matter tag line: with only export files beside it, a folder is an export `promote` may replace.
+CARD_TAGS = "tags: [speculative-decoding, draft-model, specdistill]"
 CARD_COLUMNS = [
     "num_draft_tokens",
     "temperature",
@@ -169,7 +181,7 @@ def model_card(
             "---",
             "library_name: transformers",
             "pipeline_tag: text-generation",
-            "tags: [speculative-decoding, draft-model, specdistill]",
+            CARD_TAGS,
             "---",
             "",
             f"# {name}: a draft model for speculative decoding",
@@ -228,23 +240,23 @@ def export_draft(
     training_config: str | None = None,
     setting: ServingSetting | None = None,
     target_layers: int | None = None,
+    force: bool = False,
 ) -> Path:
-    """Write the draft in `checkpoint` as a standalone HF folder at `out_dir` (replacing a previous export there).
+    """Write the draft in `checkpoint` as a standalone HF folder at `out_dir` (`check_export_dir` first: an existing
+    non-empty `out_dir` is replaced only with `force`, once the new export is complete).
 
     `training_config` (YAML text) defaults to the run's resolved config (`find_training_config`); `setting` (what the
     card's serving snippets reproduce, its draft the export) defaults to `card_setting`. `target_layers`: the
     target's layer count, which gives the aux layers of an EAGLE-3 head saved without them (else read from the
     report's target).
     """
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir).expanduser().resolve()
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
-        raise ValueError(f"{out_dir} exists and is not a previous export (no config.json); pick an empty or new folder")
+    checkpoint, out_dir = Path(checkpoint), check_export_dir(checkpoint, out_dir, force=force)
     if is_eagle3_folder(checkpoint):
         return export_eagle3(checkpoint, out_dir, report, training_config, setting, target_layers)
     model, tokenizer, merged = load_checkpoint(checkpoint)
     if training_config is None:
         training_config = find_training_config(checkpoint)
-    with atomic.staged_dir(out_dir) as tmp:
+    with staged_export(out_dir) as tmp:
         model.save_pretrained(tmp)  # safetensors, config.json and generation_config.json
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(
@@ -259,6 +271,83 @@ def export_draft(
             )
         )
     return out_dir
+
+
+def check_export_dir(checkpoint: Path, out_dir: Path, *, force: bool) -> Path:
+    """`out_dir` resolved, once it is known that writing the export there loses nothing by accident: it is not the
+    draft's folder, inside it or around it (refused even with `force`: the export would replace its own source or
+    write into it), not a file, empty or absent unless `force`, and on a writable filesystem. UserError otherwise."""
+    src, out = Path(checkpoint).expanduser().resolve(), Path(out_dir).expanduser().resolve()
+    where = "is" if out == src else "lies inside" if src in out.parents else "contains" if out in src.parents else None
+    if where:
+        raise UserError(
+            f"cannot export {checkpoint} into {out_dir}: that folder {where} the draft being exported; choose an "
+            "export folder outside it (e.g. <output_dir>/export/<name>)"
+        )
+    if out.exists() and not out.is_dir():
+        raise UserError(f"cannot export into {out_dir}: it is a file; give a new or empty folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not force:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise UserError(
+            f"export folder {out_dir} exists and is not empty ({shown}); choose a new or empty folder, or pass "
+            "--force to replace it (it is swapped for the new export once that is complete)"
+        )
+    check_writable(out.parent, f"the export into {out_dir}")  # it is staged next to out_dir and renamed into place
+    return out
+
+
+@contextlib.contextmanager
+def staged_export(out_dir: Path) -> Iterator[Path]:
+    """`atomic.staged_dir` for the export: a disk that fills up (or fails) while it is written is the user's to fix,
+    said in one line; the temp folder is gone and a previous folder at `out_dir` is kept."""
+    from safetensors import SafetensorError
+
+    try:
+        with atomic.staged_dir(out_dir) as tmp:
+            yield tmp
+    except (OSError, SafetensorError) as e:
+        if isinstance(e, SafetensorError) and "os error" not in str(e):  # not I/O (safetensors has no errno): a bug
+            raise
+        raise UserError(
+            f"writing the export to {out_dir} failed ({str(e).splitlines()[0]}); free space there or choose another "
+            "folder (nothing was replaced)"
+        ) from None
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """UserError naming `what` cannot be written when `folder` (or its nearest existing ancestor, where it would be
+    created) is a file, on a read-only filesystem or not writable by this user. Nothing is created."""
+    folder = Path(folder).expanduser().resolve()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    problem = None
+    if not existing.is_dir():
+        problem = f"{existing} is a file, not a folder"
+    elif os.statvfs(existing).f_flag & os.ST_RDONLY:
+        problem = f"{existing} is on a read-only filesystem"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable by this user"
+    if problem:
+        raise UserError(f"cannot write {what}: {problem}; choose a folder you can write")
+
+
+def _export_file(name: str) -> bool:
+    """A file an export writes: the card, the HF model's and generation configs, its weights, the tokenizer's."""
+    return (
+        name in ("README.md", CONFIG_FILE, "generation_config.json")
+        or name.endswith((".safetensors", ".safetensors.index.json"))
+        or name.startswith(TOKENIZER_PREFIXES)
+    )
+
+
+def not_an_export(folder: Path) -> str | None:
+    """Why the non-empty `folder` is not a previous export, or None when it is one: specdistill's model card (its
+    front matter's tag line) and only files an export writes. A user's own file, or another model's folder, is named."""
+    card = Path(folder) / "README.md"
+    if not card.is_file() or CARD_TAGS not in card.read_text(errors="replace").split("\n---", 1)[0]:
+        return "no specdistill model card (README.md)"
+    strangers = sorted(p.name for p in Path(folder).iterdir() if not (p.is_file() and _export_file(p.name)))
+    return f"files an export does not write: {', '.join(strangers[:4])}" if strangers else None
 
 
 def card_setting(
@@ -317,7 +406,7 @@ def head_aux(config: dict, checkpoint: Path, report: dict | None, target_layers:
 
         target_layers = load_config(report["target"]).num_hidden_layers
     if target_layers is None:
-        raise ValueError(
+        raise UserError(
             f"{checkpoint}/{CONFIG_FILE} names no eagle_aux_hidden_state_layer_ids (a head saved before specdistill "
             "always wrote them), and the target's layer count that gives the default is unknown: pass the eval "
             "report (--report), whose target gives it"
@@ -346,7 +435,7 @@ def export_eagle3(
         params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
     target = (report or {}).get("target")
     convert = speculators_convert_command(str(out_dir), _verifier(target), aux)
-    with atomic.staged_dir(out_dir) as tmp:
+    with staged_export(out_dir) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps({**config, **aux_layer_keys(list(aux))}, indent=2) + "\n")
         for path in checkpoint.iterdir():
             if path.name == WEIGHTS_FILE or path.name.startswith(TOKENIZER_PREFIXES):

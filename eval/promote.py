@@ -8,6 +8,12 @@ config, unless the caller has the target loaded), refuses a report for another t
 differs, exports the draft (`eval.export.export_draft`, the only caller) and writes the serving config, in that
 order: a refusal writes nothing.
 
+The report is not trusted (issue 24): every field promote reads is checked against `REPORT_SCHEMA` (types, ranges,
+shapes), the draft folder must exist and hold a draft of the kind the report claims, and the enable decision is made
+again (`check_decision`) from the confirmation's numbers under the serving gates (`eval.recommend.gate`; the gates of
+the run's config.yaml next to the report, else the ones the report recorded). A report whose `enabled` disagrees is
+refused unless `force`. All of it happens before the first byte is written.
+
 The serving file is rewritten as a whole but keeps what it does not own: unknown top-level keys, other engine
 settings and non-speculative SGLang flags survive, and `history` grows by one entry per promotion (newest last).
 Each engine's settings carry comments naming the engine version they assume and what they cannot express
@@ -19,9 +25,11 @@ rename): a crash at any point leaves either the old config or the new one. An ex
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import fcntl
 import json
+import math
 import os
 import textwrap
 from contextlib import contextmanager
@@ -32,17 +40,21 @@ from typing import Any
 
 import yaml
 
+from eval.config import ServingConfig
 from eval.engines import (
     ENGINES,
+    METHODS,
     ServingSetting,
     engine_notes,
     engine_snippets,
     recommended_setting,
     rule_difference,
 )
-from eval.export import export_draft, head_aux
+from eval.export import check_export_dir, check_writable, export_draft, head_aux, not_an_export
+from eval.recommend import gate, max_concurrency
 from specdec_runtime import atomic
 from specdec_runtime.eagle3 import CONFIG_FILE, is_eagle3_folder
+from specdec_runtime.errors import UserError
 
 OWNED_KEYS = ("target", "speculative", "engines", "history")
 HEADER = (
@@ -118,23 +130,251 @@ def _strip_speculative_flags(args: list) -> list:
 # Building the new config
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _interval(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(map(_number, v)) and v[0] <= v[1]
+
+
+def _folder_name(v) -> bool:
+    return isinstance(v, str) and v != "" and not v.startswith(".") and not set(v) & {"/", "\\", "\0"}
+
+
+def _mapping(v) -> bool:
+    return isinstance(v, dict)
+
+
+def _mappings(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, dict) for x in v)
+
+
+# key -> (check, what the value must be, required, nested schema). Required: True, or "enabled" for a key an enabled
+# recommendation needs; a key that is not required may be absent or null. The report's other keys are not read here.
+INTERVAL = "two numbers [lo, hi] with lo <= hi"
+SETTING_SCHEMA = {
+    "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0", True, None),
+    "draft_rule": (lambda v: isinstance(v, str), "a string", True, None),
+    "num_draft_tokens": (_count, "an integer >= 1", True, None),
+    "acceptance_rate": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]", False, None),
+    "mean_accepted_length": (_number, "a number", False, None),
+    "speedup": (_number, "a number", False, None),
+    "speedup_ci": (_interval, INTERVAL, False, None),
+}
+CONFIRMATION_SCHEMA = {
+    "acceptance_rate": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]", True, None),
+    "speedup_ci": (_interval, INTERVAL, False, None),
+    "speedup": (lambda v: _number(v) and v > 0, "a number > 0", False, None),
+    "mean_accepted_length": (lambda v: _number(v) and v >= 1, "a number >= 1", False, None),
+    "split": (lambda v: isinstance(v, str), "a string", False, None),
+    "batch_size": (_count, "an integer >= 1", False, None),
+    "prompts": (_count, "an integer >= 1", False, None),
+    "max_concurrency": (_count, "an integer >= 1", False, None),
+    "measured_concurrency": (
+        lambda v: isinstance(v, list) and v != [] and all(map(_count, v)),
+        "a list of integers >= 1",
+        False,
+        None,
+    ),
+}
+BATCH_ROW_SCHEMA = {
+    "batch_size": (_count, "an integer >= 1", True, None),
+    "speedup_ci": (_interval, INTERVAL, False, None),
+}
+RECOMMENDATION_SCHEMA = {
+    "enabled": (lambda v: isinstance(v, bool), "true or false", True, None),
+    "reason": (lambda v: isinstance(v, str), "a string", True, None),
+    "confirmation": (_mapping, "a mapping", True, CONFIRMATION_SCHEMA),
+    "name": (_folder_name, "a folder name (no / and no leading dot)", False, None),
+    "draft": (lambda v: isinstance(v, str) and v != "", "the draft folder's path", "enabled", None),
+    "kind": (lambda v: v in METHODS, f"one of {', '.join(METHODS)}", False, None),
+    "num_draft_tokens": (_count, "an integer >= 1", "enabled", None),
+    "draft_rule": (lambda v: v in ("greedy", "sample"), "greedy or sample", "enabled", None),
+    "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0", False, None),
+    "gates": (_mapping, "a mapping", False, None),
+    "by_batch_size": (_mappings, "a list of mappings", False, BATCH_ROW_SCHEMA),
+}
+CANDIDATE_SCHEMA = {
+    "name": (lambda v: isinstance(v, str), "a string", True, None),
+    "draft": (lambda v: isinstance(v, str), "a string", True, None),
+    "settings": (_mappings, "a list of mappings", True, SETTING_SCHEMA),
+}
+REPORT_SCHEMA = {
+    "target": (lambda v: isinstance(v, str) and v != "", "the target's model spec", True, None),
+    "target_fingerprint": (lambda v: isinstance(v, str), "a string", False, None),
+    "prompts": (_mapping, "a mapping", False, None),
+    "candidates": (_mappings, "a list of mappings", False, CANDIDATE_SCHEMA),
+    "recommendation": (_mapping, "a mapping", True, RECOMMENDATION_SCHEMA),
+}
+
+
+EDITED = "the report is damaged or was edited: run `specdistill eval` to write it again"
+
+
+def _show(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_fields(value: dict, schema: dict, where: str, report_path: Path, enabled: bool) -> None:
+    """UserError naming the first field of `value` (at `where`) that is missing or not what `schema` says."""
+    for key, (ok, what, required, nested) in schema.items():
+        field = f"{where}.{key}" if where else key
+        if value.get(key) is None:
+            if required is True or (required == "enabled" and enabled):
+                raise UserError(f"{report_path}: {field} is missing, expected {what}; {EDITED}")
+            continue
+        if not ok(value[key]):
+            raise UserError(f"{report_path}: {field} is {_show(value[key])}, expected {what}; {EDITED}")
+        if nested is not None and isinstance(value[key], list):
+            for i, item in enumerate(value[key]):
+                check_fields(item, nested, f"{field}[{i}]", report_path, enabled)
+        elif nested is not None:
+            check_fields(value[key], nested, field, report_path, enabled)
+
+
+def load_report(report_path: Path) -> dict:
+    """The eval report at `report_path`, checked against `REPORT_SCHEMA` (UserError naming the file and the field)."""
+    try:
+        report = json.loads(Path(report_path).read_text(encoding="utf-8"))
+    except ValueError as e:  # not JSON, truncated, or not UTF-8
+        raise UserError(f"{report_path} is not valid JSON ({e}); {EDITED}") from None
+    check_report(report, report_path)
+    return report
+
+
 def check_report(report: dict, report_path: Path) -> dict:
-    """The report's recommendation; ValueError naming what is missing when the report is not a finished eval."""
+    """The report's recommendation, once every field promote and the model card read has its type and shape
+    (`REPORT_SCHEMA`); UserError naming the field otherwise, or what is missing when the report is not a finished
+    eval."""
     if not isinstance(report, dict) or report.get("schema_version") != 1:
-        raise ValueError(f"{report_path} is not a specdistill eval report (schema_version 1); run `specdistill eval`")
+        raise UserError(f"{report_path} is not a specdistill eval report (schema_version 1); run `specdistill eval`")
     rec = report.get("recommendation")
     if not isinstance(rec, dict):
-        raise ValueError(
+        raise UserError(
             f"{report_path} has no recommendation; run `specdistill eval` to the end (it recommends a "
             "draft from the measured sweep)"
         )
-    needed = ["enabled", "reason", "confirmation"] + (
-        ["draft", "num_draft_tokens", "draft_rule"] if rec["enabled"] else []
-    )
-    missing = [k for k in needed if rec.get(k) is None]
-    if missing:
-        raise ValueError(f"{report_path}: recommendation lacks {missing}")
+    check_fields(report, REPORT_SCHEMA, "", report_path, rec.get("enabled") is True)
     return rec
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The decision, made again
+
+
+def run_config(report_path: Path) -> tuple[Path, dict] | None:
+    """(path, mapping) of <output_dir>/config.yaml next to <output_dir>/eval/report.json, when the report came from
+    a run."""
+    path = Path(report_path).resolve().parent.parent / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, ValueError) as e:
+        raise UserError(f"the run config {path} next to the report is not valid YAML ({e}); fix or remove it") from None
+    return (path, config) if isinstance(config, dict) else None
+
+
+def serving_gates(report_path: Path, rec: dict) -> tuple[ServingConfig, str]:
+    """(gates, where they come from) the recommendation is checked against: the serving section of the run's
+    config.yaml next to the report, else the gates the report recorded (`recommendation.gates`), else the defaults at
+    the recommendation's own temperature and draft rule (a report made before the gates were recorded)."""
+    found = run_config(report_path)
+    if found is not None and isinstance(found[1].get("serving"), dict):
+        return _gates(found[1]["serving"], f"{found[0]} (serving section)"), f"the serving gates of {found[0]}"
+    if isinstance(rec.get("gates"), dict):
+        return _gates(rec["gates"], f"{report_path}: recommendation.gates"), "the gates the report recorded"
+    rule = rec.get("draft_rule") or "greedy"
+    return ServingConfig(temperature=rec.get("temperature") or 0.0, draft_rule=rule), "the default serving gates"
+
+
+def _gates(section: dict, where: str) -> ServingConfig:
+    keys = [f.name for f in dataclasses.fields(ServingConfig) if f.name != "path"]
+    fix = "fix it or re-run `specdistill eval`"
+    if section.get("draft_rule", "greedy") not in ("greedy", "sample"):
+        raise UserError(f"{where}: draft_rule must be greedy or sample, got {section['draft_rule']!r}; {fix}")
+    try:
+        return ServingConfig(**{k: section[k] for k in keys if k in section})
+    except (TypeError, ValueError) as e:  # a value of the wrong type, or out of range
+        raise UserError(f"{where} is not a valid serving section ({e}); {fix}") from None
+
+
+def check_decision(rec: dict, report_path: Path) -> str | None:
+    """How the report's decision disagrees with the one its own numbers give under the serving gates
+    (`serving_gates`): served temperature and draft rule, `enabled` (`eval.recommend.gate` on the confirmation), and
+    the confirmed concurrency (`eval.recommend.max_concurrency` on the measured batch sizes, when the report has
+    them). None when they agree."""
+    gates, source = serving_gates(report_path, rec)
+    conf, threshold = rec["confirmation"], 1 + gates.min_speedup_margin
+    served = (gates.temperature, "greedy" if gates.temperature == 0 else gates.draft_rule)
+    if rec.get("temperature") is not None and rec.get("draft_rule") is not None:
+        made = (rec["temperature"], "greedy" if rec["temperature"] == 0 else rec["draft_rule"])
+        if made != served:
+            return (
+                f"the recommendation is for temperature {made[0]:g} ({made[1]}), but {source} serve temperature "
+                f"{served[0]:g} ({served[1]})"
+            )
+    decided = gate(conf, gates)
+    if decided == "passed" and not rec["enabled"]:
+        return (
+            f"recommendation.enabled is false, but its confirmation (speedup_ci {_show(conf.get('speedup_ci'))}, "
+            f"acceptance_rate {conf['acceptance_rate']:g}) passes {source} (speedup_ci[0] > {threshold:g}, "
+            f"acceptance_rate >= {gates.min_acceptance:g})"
+        )
+    if decided != "passed" and rec["enabled"]:
+        failed = (
+            f"its confirmation's speedup_ci {_show(conf.get('speedup_ci'))} does not clear 1 + min_speedup_margin = "
+            f"{threshold:g}"
+            if decided == "speedup_ci"
+            else f"its confirmation's acceptance_rate {conf['acceptance_rate']:g} is below min_acceptance "
+            f"{gates.min_acceptance:g}"
+        )
+        return f"recommendation.enabled is true, but {failed} ({source})"
+    rows = rec.get("by_batch_size")
+    if rec["enabled"] and rows and max_concurrency(rows, threshold) != conf.get("max_concurrency"):
+        return (
+            f"recommendation.confirmation.max_concurrency is {conf.get('max_concurrency')}, but its measured batch "
+            f"sizes clear the margin up to {max_concurrency(rows, threshold)} ({source})"
+        )
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The draft
+
+
+def check_draft_folder(rec: dict, report_path: Path) -> str:
+    """The draft's kind, once its folder is known to exist, to hold a draft of the kind the report claims (an EAGLE-3
+    head or a standalone model) and to have readable config and weights (headers only, no weights are loaded)."""
+    from specdec_runtime.loading import ModelLoadError, check_model_files, load_config
+
+    folder = Path(rec["draft"]).expanduser()
+    if not folder.is_dir():
+        raise UserError(
+            f"{report_path}: recommendation.draft {folder} does not exist or is not a folder; restore the draft "
+            "there, or re-run `specdistill eval` on where it is now"
+        )
+    kind = "eagle3" if is_eagle3_folder(folder) else "standalone"
+    claimed = rec.get("kind") or kind
+    if claimed != kind:
+        holds = "an EAGLE-3 head" if kind == "eagle3" else "a standalone draft model, not an EAGLE-3 head"
+        raise UserError(f"{report_path}: recommendation.kind is {claimed}, but {folder} holds {holds}; {EDITED}")
+    check_model_files(folder)
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise UserError(f"{folder} holds no weights (*.safetensors); is the draft complete?")
+    if kind == "standalone" and (folder / CONFIG_FILE).is_file():
+        try:  # the HF config a serving engine reads first
+            load_config(str(folder))
+        except (ModelLoadError, OSError, ValueError) as e:
+            raise UserError(f"{folder}/{CONFIG_FILE} does not load as an HF model config ({e}); {EDITED}") from None
+    return kind
 
 
 def check_target(
@@ -146,19 +386,19 @@ def check_target(
     got, got_fp = report.get("target"), report.get("target_fingerprint")
     if expected_fingerprint is not None and got_fp is not None:
         if expected_fingerprint != got_fp and expected_target is None:
-            raise ValueError(
+            raise UserError(
                 f"{report_path} was made for target {got!r} with fingerprint {got_fp}; {got!r} now has fingerprint "
                 f"{expected_fingerprint} (its vocabulary or architecture changed): re-run eval against it"
             )
         if expected_fingerprint != got_fp:
-            raise ValueError(
+            raise UserError(
                 f"{report_path} was made for target {got!r} (fingerprint {got_fp}), not for "
                 f"{expected_target!r} (fingerprint {expected_fingerprint}): "
                 "its vocabulary or architecture differ; re-run eval against this target"
             )
         return
     if expected_target is not None and not _same_spec(expected_target, got):
-        raise ValueError(
+        raise UserError(
             f"{report_path} was made for target {got!r}, not for {expected_target!r}; re-run eval "
             "against this target or promote into that target's serving config"
         )
@@ -174,7 +414,7 @@ def _same_spec(a: str, b: str | None) -> bool:
 
 
 def check_draft(rec: dict, target: TargetView) -> None:
-    """Refuse a draft whose token ids mean other text to the target (VocabMismatchError, a ValueError): a standalone
+    """Refuse a draft whose token ids mean other text to the target (VocabMismatchError, a UserError): a standalone
     draft's tokenizer is checked against the target's; an EAGLE-3 head uses the target's ids and embeddings by
     construction, so its vocabulary and width must be the target's (and a tokenizer saved with it must agree)."""
     from specdec_runtime.loading import check_vocab_compatible, load_tokenizer
@@ -184,7 +424,7 @@ def check_draft(rec: dict, target: TargetView) -> None:
     if is_eagle3_folder(folder):
         want = (target.config.vocab_size, target.config.hidden_size)
         if (config.get("vocab_size"), config.get("hidden_size")) != want:
-            raise ValueError(
+            raise UserError(
                 f"the EAGLE-3 head {folder} has vocab_size {config.get('vocab_size')}, hidden_size "
                 f"{config.get('hidden_size')}; the target has {want[0]}, {want[1]}: it was trained for another "
                 "target; promote it into that target's serving config"
@@ -217,10 +457,39 @@ def export_dir_for(rec: dict, export_root: Path) -> Path:
     return Path(export_root).expanduser().resolve() / (rec.get("name") or Path(rec["draft"]).name)
 
 
-def build_serving(old: dict, report: dict, report_path: Path, setting: ServingSetting | None, now: str) -> dict:
+def check_own_export_dir(rec: dict, export_dir: Path) -> None:
+    """Promotion exports into <export_root>/<name> and replaces only what is there when it is its own previous export
+    (`eval.export.not_an_export`): a folder holding anything else is refused, and so is a folder that is, holds or
+    lies inside the draft (`eval.export.check_export_dir`)."""
+    check_export_dir(Path(rec["draft"]), export_dir, force=True)
+    why = not_an_export(export_dir) if export_dir.is_dir() and any(export_dir.iterdir()) else None
+    if why is not None:
+        raise UserError(
+            f"export folder {export_dir} is not a previous export of {export_dir.name} ({why}): promote replaces only "
+            "its own exports; move what is there away, or pass another --export-dir"
+        )
+
+
+def check_serving_path(path: Path) -> None:
+    """The serving config is written next to itself (temp file and lock): a folder in its place, or a folder that
+    cannot be written, is refused before the export is written."""
+    if path.is_dir():
+        raise UserError(f"serving config {path} is a folder; give a file path, e.g. --serving {path / 'serving.yaml'}")
+    check_writable(path.parent, f"the serving config {path}")
+
+
+def build_serving(
+    old: dict,
+    report: dict,
+    report_path: Path,
+    setting: ServingSetting | None,
+    now: str,
+    forced: str | None = None,
+) -> dict:
     """The new serving config: `old` with target, speculative and engines replaced and one history entry added.
     `measured` holds the confirmation split's numbers (the ones the decision was made on), with their interval;
-    `setting` is None when the recommendation is not enabled."""
+    `setting` is None when the recommendation is not enabled; `forced`: the disagreement `--force` overrode, kept in
+    the reason and the history entry."""
     rec = report["recommendation"]
     conf = rec["confirmation"]
     draft = setting.draft if setting is not None else None
@@ -249,6 +518,8 @@ def build_serving(old: dict, report: dict, report_path: Path, setting: ServingSe
     else:
         speculative = {"enabled": False, "reason": rec["reason"], "measured": measured}
         engines = _merge_engines(old.get("engines"), None)
+    if forced is not None:
+        speculative["reason"] = f"{speculative['reason']} [promoted with --force although {forced}]"
     previous = old.get("speculative") if isinstance(old.get("speculative"), dict) else {}
     entry = {
         "promoted_at": now,
@@ -257,7 +528,7 @@ def build_serving(old: dict, report: dict, report_path: Path, setting: ServingSe
         "num_draft_tokens": rec["num_draft_tokens"] if rec["enabled"] else None,
         "measured": copy.deepcopy(measured),  # a copy: a shared object would be dumped as a YAML anchor/alias
         "replaced": previous.get("draft") if previous.get("enabled") else None,
-    }
+    } | ({"forced": forced} if forced is not None else {})
     new = {k: v for k, v in old.items() if k not in OWNED_KEYS}
     new.update(
         target=report["target"], speculative=speculative, engines=engines, history=[*(old.get("history") or []), entry]
@@ -274,18 +545,21 @@ def read_serving(path: Path, force: bool) -> tuple[str, dict]:
     a list) is refused unless `force`, which keeps it as `<name>.broken-<time>` and starts afresh."""
     if not path.exists():
         return "", {}
-    text = path.read_text()
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
     try:
-        parsed = yaml.safe_load(text)
+        parsed = yaml.safe_load(raw.decode("utf-8"))
         problem = None if isinstance(parsed, dict) or parsed is None else f"a YAML {type(parsed).__name__}"
         if isinstance(parsed, dict) and not isinstance(parsed.get("history") or [], list):
             problem = "a mapping whose `history` is not a list"
     except yaml.YAMLError as e:
         problem = f"not valid YAML ({str(e).splitlines()[0]})"
+    except UnicodeDecodeError:
+        problem = "not UTF-8 text"
     if problem is None:
         return text, parsed or {}
     if not force:
-        raise ValueError(
+        raise UserError(
             f"existing serving config {path} is {problem}, not a serving config mapping; it was left "
             "untouched. Fix it, or pass force=True (--force) to replace it (the broken file is kept as "
             f"{path.name}.broken-<time>)"
@@ -346,9 +620,13 @@ def promote(
 
     The serving target is `expected_target` (the deployment's or the run's spec), else the report's own. `target`:
     its (model or config holder, tokenizer), already loaded (`run` passes its own); else its config and tokenizer are
-    loaded here. Refuses (ValueError), before writing anything: a report that is not a finished eval, a report made
-    for another target (by fingerprint when both sides have one, else by spec), an enabled draft whose vocabulary
-    differs from the target's (`check_draft`), an existing serving file that is not a YAML mapping (unless `force`).
+    loaded here. Refuses (UserError), before writing anything: a report that is not a finished eval or breaks its
+    schema (`load_report`), a report whose `enabled` disagrees with its numbers under the serving gates
+    (`check_decision`; unless `force`, which promotes what it says and records the disagreement), a report made for
+    another target (by fingerprint when both sides have one, else by spec), a missing draft folder or one of another
+    kind (`check_draft_folder`), an enabled draft whose vocabulary differs from the target's (`check_draft`), a
+    serving path that cannot be written or an existing serving file that is not a YAML mapping (unless `force`), an
+    export folder holding anything but this draft's previous export (`check_own_export_dir`).
     With `export_root`, the recommended draft (enabled or not: a disabled one for inspection) is exported to
     `export_root/<name>` and an enabled one is served from there, its model card holding the same engine settings.
     """
@@ -356,8 +634,14 @@ def promote(
     from specdec_runtime.loading import ModelLoadError
 
     report_path, serving_path = Path(report_path), Path(serving_path)
-    report = json.loads(report_path.read_text())
-    rec = check_report(report, report_path)
+    report = load_report(report_path)
+    rec = report["recommendation"]
+    disagreement = check_decision(rec, report_path)
+    if disagreement is not None and not force:
+        raise UserError(
+            f"{report_path}: {disagreement}; re-run `specdistill eval` (the report was edited, or made under other "
+            "gates), or pass --force to promote what it says"
+        )
     if target is None:
         try:
             view = load_target_view(expected_target or report["target"], trust_remote_code)
@@ -367,11 +651,16 @@ def promote(
     else:
         view = TargetView(target[0].config, target[1])
     check_target(report, report_path, expected_target, target_fingerprint(view, view.tokenizer))
+    export_dir = export_dir_for(rec, export_root) if export_root is not None and rec.get("draft") else None
+    if rec["enabled"] or export_dir is not None:
+        check_draft_folder(rec, report_path)
     if rec["enabled"]:
         check_draft(rec, view)
+    check_serving_path(serving_path)
     if not (force or dry_run):
         read_serving(serving_path, force=False)  # a broken serving file is refused before the export is written
-    export_dir = export_dir_for(rec, export_root) if export_root is not None and rec.get("draft") else None
+    if export_dir is not None:
+        check_own_export_dir(rec, export_dir)
     setting, notes = None, None
     if rec["enabled"]:
         draft = str(export_dir) if export_dir is not None else _path_or_spec(rec["draft"])
@@ -380,7 +669,7 @@ def promote(
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     if dry_run:
         old_text, old = _read_lenient(serving_path) if force else read_serving(serving_path, force=False)
-        new_text = dump_serving(build_serving(old, report, report_path, setting, now), notes)
+        new_text = dump_serving(build_serving(old, report, report_path, setting, now, disagreement), notes)
         return "".join(
             difflib.unified_diff(
                 old_text.splitlines(keepends=True),
@@ -389,13 +678,13 @@ def promote(
                 tofile=f"{serving_path} (promoted)",
             )
         )
-    if export_dir is not None:
+    if export_dir is not None:  # force: check_own_export_dir found it absent, empty or this draft's previous export
         layers = view.config.num_hidden_layers
-        export_draft(Path(rec["draft"]), export_dir, report=report, setting=setting, target_layers=layers)
+        export_draft(Path(rec["draft"]), export_dir, report=report, setting=setting, target_layers=layers, force=True)
     serving_path.parent.mkdir(parents=True, exist_ok=True)
     with locked(serving_path):
         _, old = read_serving(serving_path, force)
-        new = build_serving(old, report, report_path, setting, now)
+        new = build_serving(old, report, report_path, setting, now, disagreement)
         atomic.write_text(serving_path, dump_serving(new, notes))
     if not rec["enabled"]:
         return f"speculative decoding disabled in {serving_path}: {rec['reason']}"
@@ -417,5 +706,5 @@ def _read_lenient(path: Path) -> tuple[str, dict]:
     """Dry run with force: show the diff against what force would start from (an unreadable file counts as empty)."""
     try:
         return read_serving(path, force=False)
-    except ValueError:
+    except UserError:
         return path.read_text(), {}

@@ -7,11 +7,15 @@
 (`speedup_ci[0]`, then the median): the setting most surely faster, not the luckiest single number. The maximum
 over many noisy settings overstates its own speedup (the winner's curse), so `recommend` enables speculative
 decoding only on numbers measured again on the confirmation split: its `speedup_ci[0]` must exceed
-1 + serving.min_speedup_margin and its acceptance_rate must reach serving.min_acceptance. Tree settings are
-reported, never promoted: the serving engines' draft-model speculation (vLLM, SGLang, TensorRT-LLM) drafts chains.
+1 + serving.min_speedup_margin and its acceptance_rate must reach serving.min_acceptance (`gate`, which `promote`
+calls again on the report's numbers, so an edited report cannot claim another decision; the gates are recorded in
+the recommendation). Tree settings are reported, never promoted: the serving engines' draft-model speculation (vLLM,
+SGLang, TensorRT-LLM) drafts chains.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from eval.config import ServingConfig
 
@@ -55,6 +59,21 @@ def max_concurrency(rows: list[dict], threshold: float) -> int | None:
     return best
 
 
+def gate(row: dict, serving: ServingConfig) -> str:
+    """The gate that decides a confirmed setting from its numbers (`row`: acceptance_rate and speedup_ci at the
+    smallest measured batch size): `speedup_ci` or `min_acceptance` when it fails that one, else `passed`."""
+    ci, alpha = row.get("speedup_ci"), row.get("acceptance_rate") or 0.0
+    if not ci or ci[0] <= 1 + serving.min_speedup_margin:
+        return "speedup_ci"
+    return "min_acceptance" if alpha < serving.min_acceptance else "passed"
+
+
+def recorded_gates(serving: ServingConfig) -> dict:
+    """The serving section's gates as the recommendation records them (`gates`): what `promote` checks it against
+    when no run config is next to the report."""
+    return {k: v for k, v in dataclasses.asdict(serving).items() if k != "path"}
+
+
 def _fmt_ci(ci) -> str:
     return f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "[-]"
 
@@ -91,6 +110,7 @@ def recommend(report: dict, serving: ServingConfig) -> dict:
         "confirmation": confirmation,
         "by_batch_size": rows,
         "max_concurrency": limit,
+        "gates": recorded_gates(serving),
     }
     setting = (
         f"{cand['name']} at num_draft_tokens={best['num_draft_tokens']} (T={best['temperature']:g}, "
@@ -98,8 +118,8 @@ def recommend(report: dict, serving: ServingConfig) -> dict:
     )
     sel = f"{_num(best.get('speedup'))}x {_fmt_ci(best.get('speedup_ci'))} on the selection split"
     conf_text = f"{_num(first.get('speedup'))}x {_fmt_ci(first.get('speedup_ci'))} on the confirmation split"
-    ci, alpha = first.get("speedup_ci"), first.get("acceptance_rate") or 0.0
-    if not ci or ci[0] <= threshold:
+    decided, alpha = gate(first, serving), first.get("acceptance_rate") or 0.0
+    if decided == "speedup_ci":
         return rec | {
             "enabled": False,
             "gate": "speedup_ci",
@@ -109,7 +129,7 @@ def recommend(report: dict, serving: ServingConfig) -> dict:
                 f"{threshold:.2f}"
             ),
         }
-    if alpha < serving.min_acceptance:
+    if decided == "min_acceptance":
         return rec | {
             "enabled": False,
             "gate": "min_acceptance",

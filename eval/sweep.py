@@ -37,7 +37,9 @@ from specdec_runtime.ab import ArmPeaks, capture_graphs, paired_runs
 from specdec_runtime.backends import BackendOptions, backend_name, fast_model, full_units, longest_unit
 from specdec_runtime.eagle3 import Eagle3Draft, first_step_logits
 from specdec_runtime.engine import SamplingParams, generate
+from specdec_runtime.errors import UserError
 from specdec_runtime.loading import (
+    check_model_files,
     check_vocab_compatible,
     load_checkpoint,
     load_eagle3,
@@ -73,7 +75,7 @@ def resolve_candidates(paths: list[str | Path]) -> list[Candidate]:
             check_draft_folder(path)
             found.append(Candidate(name=path.name, path=path))
         else:
-            raise ValueError(
+            raise UserError(
                 f"candidate {path} does not exist; pass a draft folder, a checkpoint folder or a "
                 "distillation run directory (candidates/<name>/)"
             )
@@ -91,21 +93,25 @@ def _run_dir_candidates(run_dir: Path) -> list[Candidate]:
         out.append(Candidate(name=run_dir.name, path=run_dir / "best", run_dir=run_dir))
     for ckpt in sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []:
         if (ckpt / "COMPLETE").is_file():
+            check_model_files(ckpt)
             out.append(Candidate(name=f"{run_dir.name}@{ckpt.name}", path=ckpt, run_dir=run_dir))
     if not out:
-        raise ValueError(f"{run_dir} has no best/ and no complete checkpoint; has its distillation finished?")
+        raise UserError(f"{run_dir} has no best/ and no complete checkpoint; has its distillation finished?")
     return out
 
 
 def check_draft_folder(path: Path) -> None:
+    """Refuse, before any model loads, a candidate folder without a config or weights, or with a truncated or corrupt
+    file (`check_model_files`)."""
     has_weights = any(path.glob("*.safetensors")) or (path / "adapter_config.json").is_file()
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-        raise ValueError(
+        raise UserError(
             f"candidate folder {path} has no config.json: expected an HF model folder "
             "(config.json + *.safetensors), e.g. candidates/<name>/best"
         )
     if not has_weights:
-        raise ValueError(f"candidate folder {path} has no weights (*.safetensors); is the checkpoint complete?")
+        raise UserError(f"candidate folder {path} has no weights (*.safetensors); is the checkpoint complete?")
+    check_model_files(path)
 
 
 def load_draft(cand: Candidate, device: str, dtype: str):
@@ -211,7 +217,7 @@ def _check_split_sizes(selection: list, confirmation: list, cfg: EvalConfig, wor
     }
     for half, (have, batch) in need.items():
         if have < batch:
-            raise ValueError(
+            raise UserError(
                 f"the {half} half of the eval prompts has {have} prompt(s) per process, fewer than batch size {batch} "
                 f"(eval.batch_sizes={cfg.batch_sizes}, {world_size} process(es)); raise eval.max_prompts, pass more "
                 "prompts or lower eval.batch_sizes"
@@ -248,16 +254,16 @@ def run_sweep(
     process it is not needed.
     """
     if len(prompts) < 2:
-        raise ValueError("the eval prompt set needs at least 2 prompts (a selection and a confirmation half)")
+        raise UserError("the eval prompt set needs at least 2 prompts (a selection and a confirmation half)")
     if not candidates:
-        raise ValueError("no candidate drafts to evaluate; pass draft folders or a run with finished candidates")
+        raise UserError("no candidate drafts to evaluate; pass draft folders or a run with finished candidates")
     selection, confirmation = selection_confirmation_split(prompts)
     _check_split_sizes(selection, confirmation, cfg, world_size)
     # At temperature 0 both draft rules propose argmax q, so `sample` would repeat `greedy` exactly.
     groups = [(t, r) for t in cfg.temperatures for r in cfg.draft_rules if not (t == 0 and r == "sample")]
     groups = groups or [(t, "greedy") for t in cfg.temperatures]
     if serving is not None and (serving.temperature, _serving_rule(serving)) not in groups:
-        raise ValueError(
+        raise UserError(
             f"serving.temperature={serving.temperature} / draft_rule={serving.draft_rule} is not swept; add them to "
             "eval.temperatures / eval.draft_rules or change the serving section"
         )

@@ -94,9 +94,11 @@ def fast_model(
         on_cpu = model.fc.weight.device.type == "cpu"
         fast = on_cpu and backend.cpu_fast_path and not model.cpu_fast
         return cpu_eagle3(model, draft_dtype()) if fast else model
-    if model.device.type == "cuda" and model.config.model_type == "llama":
+    if not isinstance(model, LlamaForCausalLM) or Llama.unsupported(model) is not None:
+        return model  # e.g. another activation or a length-dependent rope: the generic HF path decodes it
+    if model.device.type == "cuda":
         return Llama.from_hf(model, dtype=torch.bfloat16)
-    if model.device.type == "cpu" and backend.cpu_fast_path and isinstance(model, LlamaForCausalLM):
+    if model.device.type == "cpu" and backend.cpu_fast_path:
         fast = cpu_model(model, dtype=draft_dtype() if draft else torch.float32)
         return compile_steps(fast) if backend.cpu_compile else fast
     return model

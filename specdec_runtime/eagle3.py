@@ -45,6 +45,8 @@ from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from specdec_runtime.errors import UserError
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -64,7 +66,7 @@ def check_aux_layers(layers: list[int], num_layers: int) -> None:
     engines' own default is taken as it is (below 6 layers it is not ascending: [2, 2, 1] for 4)."""
     unordered = list(layers) != sorted(layers) and list(layers) != default_aux_layers(num_layers)
     if len(layers) != 3 or any(not 1 <= i <= num_layers - 1 for i in layers) or unordered:
-        raise ValueError(
+        raise UserError(
             f"EAGLE-3 takes exactly 3 aux layers, HF output_hidden_states indices in [1, {num_layers - 1}] for a "
             f"{num_layers}-layer target, in ascending order (the engines' order); got {layers}"
         )
@@ -357,7 +359,10 @@ class Eagle3Draft(nn.Module):
         state = load_file(folder / WEIGHTS_FILE)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{folder} is not an EAGLE-3 draft of this layout: missing {missing}, extra {unexpected}")
+            raise UserError(
+                f"{folder} is not an EAGLE-3 draft of this layout (missing {missing[:3]}, extra {unexpected[:3]}); "
+                "pass a head exported by specdistill or by speculators"
+            )
         model = model.to(device=device)
         return (model.to(dtype) if dtype is not None else model.to(state["fc.weight"].dtype)).eval()
 
@@ -400,7 +405,13 @@ def _positions(input_ids: Tensor) -> Tensor:
 def is_eagle3_folder(folder: Path | str) -> bool:
     """True when `folder/config.json` names the EAGLE-3 architecture."""
     path = Path(folder) / CONFIG_FILE
-    return path.is_file() and ARCHITECTURE in (json.loads(path.read_text()).get("architectures") or [])
+    if not path.is_file():
+        return False
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:  # truncated or not JSON: unidentifiable here; the loaders name the file (check_model_files)
+        return False
+    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
 
 
 def weight_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .eagle3 import Eagle3Draft
 from .eagle3_state import eagle3_states
+from .errors import UserError
 from .kv import make_state
 from .llama import Llama
 from .metrics import GenerationStats, Phases, PhaseTimer, RequestStats
@@ -67,7 +68,8 @@ def validate_request(
     draft_rule: str,
     max_new_tokens: int,
 ) -> None:
-    """Raise one clear ValueError (problem and fix) for a request the engine cannot run."""
+    """Raise one clear error (problem and fix) for a request the engine cannot run: a ValueError for arguments our
+    callers check first, a UserError for what only the models reveal (their vocabularies, their context window)."""
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1 (got {num_draft_tokens}); pass draft=None for target-only")
     if draft_rule not in ("sample", "greedy"):
@@ -77,7 +79,7 @@ def validate_request(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (got an empty prompt or no prompts); drop empty ones")
     if draft is not None and draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(
+        raise UserError(
             f"target and draft logits differ in width ({target.config.vocab_size} vs {draft.config.vocab_size}); "
             "speculative decoding needs a draft that shares the target's vocabulary"
         )
@@ -91,7 +93,7 @@ def validate_request(
     window = min(m.config.max_position_embeddings for m in models)
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens + gamma > window:
-        raise ValueError(
+        raise UserError(
             f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} + num_draft_tokens={gamma} exceeds the "
             f"context window of {window} positions; shorten the prompt, or lower max_new_tokens or num_draft_tokens"
         )

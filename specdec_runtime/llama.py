@@ -163,21 +163,26 @@ class Llama(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    @staticmethod
+    def unsupported(hf_model: nn.Module) -> str | None:
+        """Why the compact model cannot take this HF model (None: it can); `backends.fast_model` then keeps the
+        generic HF path."""
+        cfg = hf_model.config
+        if cfg.model_type != "llama" or getattr(cfg, "hidden_act", None) != "silu":
+            return f"it covers Llama (silu) checkpoints, got model_type={cfg.model_type!r}"
+        rope_type = hf_model.model.rotary_emb.rope_type
+        if rope_type not in ("default", "linear", "llama3"):
+            return f"rope_type {rope_type!r} changes with sequence length"
+        return None
+
     @classmethod
     def from_hf(cls, hf_model: nn.Module, dtype: torch.dtype | None = None) -> "Llama":
         """Copy the weights of an HF LlamaForCausalLM (same device; `dtype` defaults to the model's)."""
         cfg = hf_model.config
-        if cfg.model_type != "llama" or cfg.hidden_act != "silu":
-            raise ValueError(
-                f"the compact model covers Llama (silu) checkpoints, got model_type={cfg.model_type!r} "
-                f"hidden_act={cfg.hidden_act!r}; run this model through the generic HF path instead"
-            )
+        reason = cls.unsupported(hf_model)
+        if reason is not None:  # callers check `unsupported` first (backends.fast_model): a bug if reached
+            raise ValueError(f"the compact model cannot take this model: {reason}; use the generic HF path")
         rotary = hf_model.model.rotary_emb
-        if rotary.rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(
-                f"rope_type {rotary.rope_type!r} changes with sequence length and is not in the compact model; "
-                "run this model through the generic HF path instead"
-            )
         args = LlamaArgs(
             vocab_size=cfg.vocab_size,
             dim=cfg.hidden_size,

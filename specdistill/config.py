@@ -7,8 +7,8 @@ dotted overrides and validates:
     cfg = load_config("configs/quickstart.yaml", ["train.max_steps=20", "distill.objective=tv"])
 
 Unknown keys fail with the list of valid keys and the closest match; wrong types and out-of-range values fail with
-the dotted path of the offending key. Every error is a `ConfigError` (a `ValueError`), which the CLI turns into one
-line and exit code 2.
+the dotted path of the offending key. Every error is a `ConfigError` (a `UserError`, so a `ValueError`), which the
+CLI turns into one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from distill.students import DraftConfig
 from eval.config import EvalConfig, ServingConfig
 from specdec_runtime import atomic
 from specdec_runtime.backends import TargetConfig
+from specdec_runtime.errors import UserError
 from train.config import TrackingConfig, TrainConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override is wrong; the message names the key and the fix."""
 
 
@@ -214,11 +215,15 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path} (presets live in configs/, e.g. configs/quickstart.yaml)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
         raise ConfigError(f"invalid YAML in {path} at {where}: {e.problem}") from None
+    except (UnicodeDecodeError, yaml.YAMLError) as e:  # a binary file, another encoding
+        raise ConfigError(f"{path} cannot be read as YAML ({str(e).splitlines()[0]}); save it as UTF-8 text") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

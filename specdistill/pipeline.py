@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specdec_runtime.errors import UserError
 from specdistill.config import RootConfig, dump_yaml, save_resolved, to_dict
 
 if TYPE_CHECKING:  # train/ is imported by the stages that need it, so `specdistill --help` stays fast
@@ -82,11 +83,11 @@ class Dist:
 LOCK_FILE = ".specdistill.lock"  # <output_dir>/.specdistill.lock: "PID HOST" of the run holding it
 
 
-class RunLockedError(ValueError):
+class RunLockedError(UserError):
     """Another run holds this output_dir's lock."""
 
 
-class OutputDirError(ValueError):
+class OutputDirError(UserError):
     """output_dir cannot be written."""
 
 
@@ -425,26 +426,38 @@ def candidate_dirs(cfg: RootConfig) -> list[Path]:
 
 def config_candidates(cfg: RootConfig):
     from eval.results import Candidate
+    from eval.sweep import check_draft_folder
 
     out = []
     for run_dir in candidate_dirs(cfg):
         if not (run_dir / "best").is_dir():
-            raise ValueError(
+            raise UserError(
                 f"candidate {run_dir.name} has no best/ checkpoint in {run_dir}; run `specdistill distill` first"
             )
+        check_draft_folder(run_dir / "best")
         out.append(Candidate(name=run_dir.name, path=run_dir / "best", run_dir=run_dir))
     return out
 
 
 def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
-    """A finished report made with the same eval settings and candidates (so `run` can skip the sweep)."""
+    """A finished report made with the same eval settings, serving gates and candidates (so `run` can skip the
+    sweep: promote would refuse a report whose recommendation was made under other gates)."""
+    from eval.recommend import recorded_gates
+
     if not report_path.is_file():
         return False
-    report = json.loads(report_path.read_text())
+    try:
+        report = json.loads(report_path.read_text(encoding="utf-8"))
+    except ValueError:  # damaged (truncated, edited): not a finished report, so the sweep runs again and rewrites it
+        return False
+    rec, cands = (report.get("recommendation"), report.get("candidates")) if isinstance(report, dict) else (None, None)
+    if not (isinstance(rec, dict) and isinstance(cands, list) and all(isinstance(c, dict) for c in cands)):
+        return False
     newest_best = max(((d / "best").stat().st_mtime for d in candidate_dirs(cfg) if (d / "best").exists()), default=0.0)
     return (
         report.get("eval_config") == json.loads(json.dumps(cfg.eval.__dict__))
         and "recommendation" in report
+        and report["recommendation"].get("gates") == json.loads(json.dumps(recorded_gates(cfg.serving)))
         and report_path.stat().st_mtime >= newest_best
         and sorted(c["name"] for c in report["candidates"]) == sorted(cfg.candidate_configs)
     )
@@ -453,7 +466,10 @@ def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
 def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     """data -> distill -> eval -> promote (check, export, serving config), skipping what is complete."""
     start = time.time()
+    from eval.promote import check_serving_path
+
     check_prompt_roles(cfg)  # before anything is written: a run that would test on seen prompts never starts
+    check_serving_path(serving_path(cfg))  # and one whose serving config cannot be written fails now, not at the end
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     with run_lock(cfg.output_dir, dist):
         return _run_stages(cfg, dist, start, force=force)

@@ -141,3 +141,15 @@ def test_inverse_cdf_sampling_is_exact_and_never_draws_a_zero():
     assert chi_square_pvalue(counts, probs / probs.sum()) > 1e-4
     skewed = torch.tensor([0.0, 0.45, 0.0, 0.25, 0.3, 0.0])  # a broken sampler's law: the same test must reject it
     assert chi_square_pvalue(counts, skewed) < 1e-6
+
+
+def test_a_llama_the_compact_model_does_not_cover_keeps_the_hf_path():
+    """Another activation (or a length-dependent rope) is decoded by the generic HF path, not refused: the bench and
+    eval of such a model run, reporting `hf-eager`."""
+    from specdec_runtime.backends import BackendOptions, backend_name, fast_model
+    from specdec_runtime.llama import Llama
+
+    model = tiny_llama(0, hidden_act="gelu")
+    assert Llama.unsupported(model) is not None and Llama.unsupported(tiny_llama(0)) is None
+    assert fast_model(model, BackendOptions()) is model and backend_name(model) == "hf-eager"
+    assert backend_name(fast_model(tiny_llama(0), BackendOptions())) != "hf-eager"

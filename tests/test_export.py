@@ -1,14 +1,19 @@
-"""Draft export: a standalone HF folder (LoRA merged, no trainer state) that HF assisted generation uses as is."""
+"""Draft export: a standalone HF folder (LoRA merged, no trainer state) that HF assisted generation uses as is, written
+where it loses nothing: never over the draft itself, over a non-empty folder only with --force."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from helpers.models import tiny_llama
+from helpers.runs import small_filesystem
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -183,18 +188,101 @@ def test_card_of_an_unevaluated_checkpoint_says_so(tmp_path):
     assert "# trunc2@step-000010" in card and "not among the candidates" in card and "```yaml\nx: 1\n```" in card
 
 
-def test_reexport_replaces_and_foreign_folder_is_refused(tmp_path):
+def cli_export(*args) -> tuple[int, str, str]:
+    """`specdistill export ...` through the CLI's entry point in this process: (exit code, stdout, stderr)."""
+    from specdistill.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["export", *map(str, args)])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes: what "untouched" means."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused(args: tuple, needle: str) -> None:
+    rc, stdout, stderr = cli_export(*args)
+    assert rc == 2 and stdout == "" and stderr.startswith("specdistill: error: ") and stderr.count("\n") == 1, stderr
+    assert needle in stderr and "Traceback" not in stderr, stderr
+
+
+def test_export_never_replaces_what_is_there_without_force_nor_the_draft_itself(tmp_path):
+    """Issue 24: exporting onto another candidate's best/ deleted its weights and the user's file; `export best best`
+    lost best/metrics.json. A non-empty folder is refused unless --force; the draft's own folder, one inside it and
+    one around it are refused even with --force; --force replaces the folder once the new export is complete."""
     _, draft, tokenizer = pair()
-    ckpt = save_checkpoint(draft, tokenizer, tmp_path / "best")
-    out = export_draft(ckpt, tmp_path / "out")
-    (out / "stale.txt").write_text("from an older export")
-    export_draft(ckpt, out)
-    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match="not a previous export"):
-        export_draft(ckpt, tmp_path / "mine")
-    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    candidates = tmp_path / "run" / "candidates"
+    best = save_checkpoint(draft, tokenizer, candidates / "trunc2" / "best")
+    (best / "metrics.json").write_text('{"eval/loss": 1.5}')
+    other = save_checkpoint(tiny_llama(seed=1, vocab_size=len(tokenizer)), tokenizer, candidates / "other" / "best")
+    (other / "notes.txt").write_text("mine")
+    before, best_before = snapshot(tmp_path / "run"), snapshot(best)
+
+    refused((best, other), f"export folder {other} exists and is not empty (COMPLETE, chat_template.jinja")
+    refused((best, best), "that folder is the draft being exported")
+    refused((best, best / "sub"), "that folder lies inside the draft being exported")
+    refused((best, candidates / "trunc2", "--force"), "that folder contains the draft being exported")
+    refused((best, best, "--force"), "is the draft being exported")
+    assert snapshot(tmp_path / "run") == before and not (best / "sub").exists()
+
+    out = tmp_path / "export" / "trunc2"
+    assert cli_export(best, out)[0] == 0
+    refused((best, out), "pass --force to replace it")  # a previous export is a non-empty folder too
+    rc, stdout, _ = cli_export(best, out, "--force")
+    assert rc == 0 and stdout == f"exported: {out.resolve()}\n" and (out / "model.safetensors").is_file()
+    rc, _, _ = cli_export(best, other, "--force")  # what --force is for: the folder is replaced as a whole
+    assert rc == 0 and not (other / "notes.txt").exists() and (other / "README.md").is_file()
+    assert snapshot(best) == best_before  # the source is never written
+    leftovers = [p.name for p in [*candidates.iterdir(), *out.parent.iterdir()] if p.name.startswith(".")]
+    assert not leftovers, leftovers  # no .tmp-* or .old-* folder left
+
+
+def test_export_into_a_file_or_a_read_only_or_full_filesystem_is_one_line(tmp_path):
+    _, draft, tokenizer = pair()
+    best = save_checkpoint(draft, tokenizer, tmp_path / "best")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    refused((best, blocker), f"cannot export into {blocker}: it is a file")
+    refused((best, blocker / "x"), f"{blocker} is a file, not a folder")
+    assert blocker.read_text() == "mine"
+    with small_filesystem(tmp_path / "ro", "size=1m", "ro") as ro:
+        refused((best, ro / "x"), f"{ro} is on a read-only filesystem")
+    with small_filesystem(tmp_path / "full", "size=48k") as full:  # the weights alone are larger
+        rc, _, stderr = cli_export(best, full / "x")
+        assert rc == 2 and "No space left on device" in stderr and stderr.count("\n") == 1, stderr
+        assert list(full.iterdir()) == []  # the staged folder is removed
+
+
+def test_promote_reexports_over_its_own_export_only(tmp_path):
+    """Promotion exports into <export_root>/<name> every time it runs: its own previous export there is replaced
+    (it holds the card and only files an export writes); a folder with anything else is refused, untouched."""
+    from eval.export import not_an_export
+    from specdec_runtime.errors import UserError
+
+    target, draft, tokenizer = pair()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    ckpt = save_checkpoint(draft, tokenizer, tmp_path / "candidates" / "trunc2" / "best")
+    report = report_for(ckpt)
+    report["target"] = str(tmp_path / "target")
+    report["recommendation"]["confirmation"] = {"acceptance_rate": 0.63, "speedup": 1.79, "speedup_ci": [1.6, 1.9]}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    args = (tmp_path / "report.json", tmp_path / "serving.yaml")
+    export = tmp_path / "export" / "trunc2"
+    for _ in range(2):
+        promote(*args, export_root=tmp_path / "export")
+        assert not_an_export(export) is None and (export / "model.safetensors").is_file()
+    assert len(yaml.safe_load((tmp_path / "serving.yaml").read_text())["history"]) == 2
+    (export / "notes.txt").write_text("mine")
+    before, serving = snapshot(export), (tmp_path / "serving.yaml").read_bytes()
+    with pytest.raises(UserError, match=r"not a previous export of trunc2 \(files an export does not write: notes.txt"):
+        promote(*args, export_root=tmp_path / "export")
+    assert snapshot(export) == before and (tmp_path / "serving.yaml").read_bytes() == serving
+    with pytest.raises(UserError, match="contains the draft being exported"):  # <root>/<name> around the draft
+        promote(*args, export_root=tmp_path / "candidates")
 
 
 def test_folder_without_weights_is_a_clear_error(tmp_path):
@@ -218,7 +306,12 @@ def test_promote_exports_and_points_serving_at_the_export(tmp_path):
     ckpt = save_checkpoint(draft, tokenizer, tmp_path / "candidates" / "trunc2" / "best")
     report = report_for(ckpt)
     report["target"] = str(tmp_path / "target")
-    report["recommendation"]["confirmation"] = {"acceptance_rate": 0.6345, "mean_accepted_length": 2.6, "speedup": 1.79}
+    report["recommendation"]["confirmation"] = {
+        "acceptance_rate": 0.6345,
+        "mean_accepted_length": 2.6,
+        "speedup": 1.79,
+        "speedup_ci": [1.6, 1.9],
+    }
     (tmp_path / "report.json").write_text(json.dumps(report))
     summary = promote(tmp_path / "report.json", tmp_path / "serving.yaml", export_root=tmp_path / "export")
     export = (tmp_path / "export" / "trunc2").resolve()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -64,6 +65,34 @@ def test_folder_without_weights_or_config(tmp_path):
         load_model(str(tmp_path / "missing" / "x"))
     with pytest.raises(ModelLoadError, match="GGUF file not found"):
         load_model(str(tmp_path / "x.gguf"))
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "says"),
+    [
+        ("model.safetensors", lambda b: b[: len(b) // 2], "is truncated or corrupt (Error while deserializing header"),
+        ("model.safetensors", lambda b: b"", "is truncated or corrupt ("),
+        ("config.json", lambda b: b[: len(b) // 2], "is truncated or corrupt (not valid JSON: "),
+        ("tokenizer.json", lambda b: b"\xff" + b, "is truncated or corrupt (not valid JSON: "),
+    ],
+)
+def test_a_truncated_or_corrupt_file_is_named_before_anything_loads(tmp_path, name, damage, says):
+    """Issue 24: transformers met a cut-off model.safetensors deep inside from_pretrained, a SafetensorError traceback;
+    the folder's files are checked first (headers only), naming the file and the fix."""
+    save_tiny(tmp_path / "m")
+    path = tmp_path / "m" / name
+    path.write_bytes(damage(path.read_bytes()))
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(ModelLoadError, match=re.escape(f"{path} {says}")) as e:
+            load(str(tmp_path / "m"))
+        assert str(e.value).endswith("replace it with a complete copy (copy, download or export the model again)")
+
+
+def test_a_config_transformers_does_not_recognise_is_one_line(tmp_path):
+    save_tiny(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "nonesuch"}')
+    with pytest.raises(ModelLoadError, match=rf"^cannot load '{re.escape(str(tmp_path / 'm'))}': .*nonesuch"):
+        load_model(str(tmp_path / "m"))
 
 
 def test_a_cache_entry_built_twice_at_once_keeps_the_first(tmp_path):

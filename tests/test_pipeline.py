@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from helpers.runs import small_filesystem
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,25 +238,13 @@ with run_lock(sys.argv[1], dist_state("cpu")):
         (["generate", "--temperature", "-1", "hi"], "argument --temperature: must be in [0, 100], got -1.0"),
         (["generate", "--tree", "2,1", "hi"], "--tree needs --draft"),
         (["bench", "--draft", "d", "--json", "{tmp}"], "is a folder; give a file path"),
+        (["bench", "--draft", "d", "--num-prompts", "2", "--batch-size", "4"], "--batch-size 4 needs at least 4"),
     ],
 )
 def test_cli_flags_out_of_range_name_the_flag_before_any_model_loads(argv, says, env, tmp_path):
     r = cli_here(*[a.format(tmp=tmp_path) for a in argv], env=env, check=False)
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "draft=None" not in r.stderr and "tree=None" not in r.stderr
-
-
-@contextlib.contextmanager
-def small_filesystem(path: Path, *options: str):
-    """A real tmpfs mounted at `path` (size and ro options); skipped where this process may not mount one."""
-    path.mkdir(parents=True, exist_ok=True)
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(path)], capture_output=True)
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.decode().strip()[:120]}): needs root with CAP_SYS_ADMIN")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
 
 
 def test_an_output_dir_that_cannot_be_written_fails_before_any_work_with_one_line(env, tmp_path):
@@ -331,6 +320,122 @@ def test_eval_bad_inputs(env, tmp_path, smoke_run):
     empty.write_text("")
     r = eval_prompts(empty)
     assert r.returncode == 2 and ("empty" in r.stderr or "no prompts" in r.stderr)
+
+
+def one_error_line(r) -> str:
+    """The answer promised to a mistake: exit 2, one `specdistill:` line, no traceback."""
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("specdistill:")]
+    assert len(lines) == 1, r.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A real draft folder (the random tiny Llama saved by save_pretrained); tests damage their own copies."""
+    from specdec_runtime.tiny import build_tiny_model
+
+    return build_tiny_model("tiny-llama", tmp_path_factory.mktemp("draft") / "tiny")
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "config.json"])
+def test_a_truncated_file_in_a_draft_folder_is_named_in_one_line_by_every_command(damaged, tiny_draft, env, tmp_path):
+    """Issue 24: a truncated model.safetensors gave a SafetensorError traceback from generate, eval and export."""
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_draft, draft)
+    cut = (draft / damaged).read_bytes()[: (draft / damaged).stat().st_size // 2]
+    (draft / damaged).write_bytes(cut)  # an interrupted copy
+    target = ("--target", "random:tiny-llama")
+    commands = [
+        ("generate", *target, "--draft", draft, "--max-new-tokens", "2", "hi"),
+        ("bench", *target, "--draft", draft, "--num-prompts", "2", "--repeats", "1"),
+        ("eval", *target, "--drafts", draft, "--out", tmp_path / "eval"),
+        ("export", draft, tmp_path / "export"),
+    ]
+    for argv in commands:
+        line = one_error_line(cli_here(*argv, env=env, check=False))
+        assert f"{draft / damaged} is truncated or corrupt" in line and "complete copy" in line, (argv[0], line)
+    assert not (tmp_path / "export").exists() and (draft / damaged).read_bytes() == cut
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "says"),
+    [
+        ("latin1.jsonl", b'{"prompt": "caf\xe9"}\n', " is not UTF-8 text (byte 0xe9 at offset 15); save it as UTF-8"),
+        (
+            "cut.json",
+            b'[{"prompt": "a"},\n {"prompt": "b"',
+            " is not valid JSON (Expecting ',' delimiter: line 2 column 16): the file ends early (truncated?)",
+        ),
+        (
+            "cut.jsonl",
+            b'{"prompt": "a"}\n{"prompt": "b',
+            ": line 2 is not valid JSON (Unterminated string starting at: column 12): the file ends there (truncated?)",
+        ),
+    ],
+)
+def test_undecodable_and_truncated_prompt_files_are_named_in_one_line(name, data, says, tiny_draft, env, tmp_path):
+    """Issue 24: a non-UTF-8 prompt file gave a UnicodeDecodeError and a truncated one a JSON error, neither naming
+    the file."""
+    bad = tmp_path / name
+    bad.write_bytes(data)
+    commands = [
+        ("data", ROOT / "configs" / "smoke.yaml", f"output_dir={tmp_path / 'run'}", f"data.prompts={bad}"),
+        ("bench", "--draft", tiny_draft, "--prompts", bad),
+        ("eval", "--target", "random:tiny-llama", "--drafts", tiny_draft, "--prompts", bad, "--out", tmp_path / "e"),
+    ]
+    for argv in commands:
+        line = one_error_line(cli_here(*argv, env=env, check=False))
+        assert f"{bad}{says}" in line, (argv[0], line)
+    assert not (tmp_path / "run").exists()
+
+
+def test_promote_into_a_folder_or_onto_a_read_only_path_fails_in_one_line_before_writing(smoke_run, env, tmp_path):
+    report, export = smoke_run[0] / "eval" / "report.json", tmp_path / "export"
+    folder = tmp_path / "deploy"
+    folder.mkdir()
+    line = one_error_line(
+        cli_here("promote", report, "--serving", folder, "--export-dir", export, env=env, check=False)
+    )
+    assert f"{folder} is a folder" in line and not any(folder.iterdir()) and not export.exists(), line
+    with small_filesystem(tmp_path / "ro", "size=1m", "ro") as ro:
+        r = cli_here("promote", report, "--serving", ro / "serving.yaml", "--export-dir", export, env=env, check=False)
+        line = one_error_line(r)
+        assert str(ro / "serving.yaml") in line and "read-only" in line and not export.exists(), line
+
+
+def test_a_bug_shows_its_traceback_and_asks_for_a_report(env, monkeypatch):
+    """Issue 24: main() printed every ValueError as the user's mistake, a bug's included. Only a UserError is one
+    line (exit 2); anything else keeps its traceback, followed by a line asking for a report (exit 1)."""
+    from specdec_runtime.errors import UserError
+    from specdistill import cli
+
+    def bug(args):
+        raise ValueError("an internal invariant broke")
+
+    def mistake(args):
+        raise UserError("x.yaml: the problem; the fix")
+
+    monkeypatch.setitem(cli.COMMANDS, "config", bug)
+    r = cli_here("config", "show", "x.yaml", env=env, check=False)
+    assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr, r.stderr
+    assert "ValueError: an internal invariant broke" in r.stderr and r.stderr.splitlines()[-1] == cli.BUG_LINE
+    monkeypatch.setitem(cli.COMMANDS, "config", mistake)
+    r = cli_here("config", "show", "x.yaml", env=env, check=False)
+    assert r.returncode == 2 and r.stderr == "specdistill: error: x.yaml: the problem; the fix\n", r.stderr
+
+
+@pytest.mark.parametrize("text", ['{"recommendation": {"enab', "[]", '{"recommendation": {}, "candidates": 3}'])
+def test_a_damaged_report_is_not_current_so_run_evaluates_again(text, tmp_path):
+    """A truncated or hand-edited eval/report.json made `run` stop with a traceback before its eval stage."""
+    from specdistill.config import load_config
+    from specdistill.pipeline import eval_is_current
+
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", [f"output_dir={tmp_path}"])
+    report = tmp_path / "eval" / "report.json"
+    report.parent.mkdir()
+    report.write_text(text)
+    assert eval_is_current(cfg, report) is False
 
 
 def test_eval_spec_bench_file_by_category(env, tmp_path, smoke_run):

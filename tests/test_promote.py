@@ -5,6 +5,7 @@ here name `random:tiny-llama` (built once into this module's cache) or a local f
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -20,6 +21,7 @@ import yaml
 
 from eval.promote import load_target_view, promote
 from eval.results import target_fingerprint
+from specdec_runtime.errors import UserError
 from specdec_runtime.loading import VocabMismatchError
 from specdec_runtime.tiny import byte_level_tokenizer
 
@@ -49,12 +51,14 @@ def write_report(
     max_concurrency: int = 16,
     measured_concurrency: tuple[int, ...] = (1, 4, 16),
 ) -> Path:
-    """A report.json (contract of eval/results.py) recommending `name` with `gamma`, its draft folder created with
-    the target's tokenizer (no weights: these tests promote without exporting)."""
+    """A report.json (contract of eval/results.py) recommending `name` with `gamma`, its draft folder a tiny
+    2-layer Llama with the target's tokenizer."""
+    from helpers.models import tiny_llama
+
     draft = folder / "candidates" / name / "best"
-    draft.mkdir(parents=True, exist_ok=True)
-    (draft / "config.json").write_text(json.dumps({"vocab_size": 259}))
-    byte_level_tokenizer().save_pretrained(draft)
+    if not (draft / "model.safetensors").is_file():
+        tiny_llama(vocab_size=259, layers=2).save_pretrained(draft)
+        byte_level_tokenizer().save_pretrained(draft)
     confirmation = {
         "acceptance_rate": 0.71,
         "mean_accepted_length": 3.1,
@@ -480,3 +484,125 @@ def test_standalone_promote_checks_exports_and_refuses_in_one_line(tmp_path, mon
     assert rc == 0 and f"({export}, num_draft_tokens=4" in stdout
     assert (export / "model.safetensors").is_file() and (export / "README.md").is_file()
     assert load(out / "serving.yaml")["speculative"]["draft"] == str(export)
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes: what "untouched" means."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def edit(report: dict, change) -> dict:
+    edited = copy.deepcopy(report)
+    change(edited["recommendation"])
+    return edited
+
+
+HAND_EDITS = {  # issue 24's hand-edited reports (and their kin): each is refused with one line naming the problem
+    "enabled against a failed gate": (
+        lambda r: r["confirmation"].update(speedup=0.80, speedup_ci=[0.19, 1.40]),
+        "recommendation.enabled is true, but its confirmation's speedup_ci [0.19, 1.4] does not clear "
+        "1 + min_speedup_margin = 1.05",
+    ),
+    "disabled against passed gates": (
+        lambda r: r.update(enabled=False),
+        "recommendation.enabled is false, but its confirmation (speedup_ci [1.7, 1.9], acceptance_rate 0.71) passes",
+    ),
+    "a draft that does not exist": (
+        lambda r: r.update(draft=r["draft"].replace("trunc2-fkl", "gone")),
+        "/candidates/gone/best does not exist or is not a folder",
+    ),
+    "a draft of another tokenizer": (
+        lambda r: r.update(draft=r["draft"].replace("trunc2-fkl", "words")),
+        "differ at id 0",
+    ),
+    "acceptance_rate: high": (
+        lambda r: r["confirmation"].update(acceptance_rate="high"),
+        'recommendation.confirmation.acceptance_rate is "high", expected a number in [0, 1]',
+    ),
+    "speedup_ci: [2.0]": (
+        lambda r: r["confirmation"].update(speedup_ci=[2.0]),
+        "recommendation.confirmation.speedup_ci is [2.0], expected two numbers [lo, hi] with lo <= hi",
+    ),
+    "num_draft_tokens: 0": (lambda r: r.update(num_draft_tokens=0), "num_draft_tokens is 0, expected an integer >= 1"),
+    "kind: eagle3 for a standalone draft": (
+        lambda r: r.update(kind="eagle3"),
+        "recommendation.kind is eagle3, but",
+    ),
+    "kind: medusa": (lambda r: r.update(kind="medusa"), 'recommendation.kind is "medusa", expected one of standalone'),
+    "name: ..": (lambda r: r.update(name=".."), 'recommendation.name is "..", expected a folder name'),
+}
+
+
+def test_hand_edited_reports_are_refused_before_anything_is_written(tmp_path):
+    """Issue 24: a hand-edited report was promoted with `enabled: true` against a failed gate, a missing draft, a draft
+    of another tokenizer, `acceptance_rate: "high"`, `speedup_ci: [2.0]` (serving.yaml written, then a traceback).
+    Through `specdistill promote` on a run's folder: each is exit 2 with one line, serving.yaml and the export
+    untouched; the decision is made again under the run config's gates, and --force promotes a disagreeing report
+    with the disagreement recorded."""
+    from helpers.models import tiny_llama
+
+    out, a = tmp_path / "run", local_target(tmp_path / "a")
+    (out / "eval").mkdir(parents=True)
+    report_path = write_report(out, target=a, fingerprint=fingerprint_of(a)).rename(out / "eval" / "report.json")
+    words = out / "candidates" / "words" / "best"
+    tiny_llama(vocab_size=259, layers=2).save_pretrained(words)
+    word_level_tokenizer(["hello", "world"]).save_pretrained(words)
+    serving = {"temperature": 0.0, "draft_rule": "greedy", "min_acceptance": 0.5, "min_speedup_margin": 0.05}
+    (out / "config.yaml").write_text(yaml.safe_dump({"target": {"model": a}, "serving": serving}))
+    rc, stdout, stderr = cli_promote(report_path)
+    assert rc == 0, stderr
+    report, before = json.loads(report_path.read_text()), tree(out)
+
+    for case, (change, needle) in HAND_EDITS.items():
+        report_path.write_text(json.dumps(edit(report, change)))
+        rc, stdout, stderr = cli_promote(report_path)
+        assert rc == 2 and stdout == "" and stderr.startswith("specdistill: error: "), (case, stderr)
+        assert stderr.count("\n") == 1 and needle in stderr, (case, stderr)
+        after = tree(out)
+        assert after.pop("eval/report.json") != before["eval/report.json"]
+        assert after == {k: v for k, v in before.items() if k != "eval/report.json"}, case  # nothing written
+    report_path.write_text('{"schema_version": 1, "recommendation": {"enab')  # truncated
+    rc, _, stderr = cli_promote(report_path)
+    assert rc == 2 and f"{report_path} is not valid JSON" in stderr and stderr.count("\n") == 1
+
+    report_path.write_text(json.dumps(edit(report, HAND_EDITS["enabled against a failed gate"][0])))
+    rc, stdout, _ = cli_promote(report_path, "--force")  # promoted as it says, the disagreement on record
+    spec = load(out / "serving.yaml")["speculative"]
+    assert (
+        rc == 0
+        and spec["enabled"] is True
+        and "[promoted with --force although recommendation.enabled" in spec["reason"]
+    )
+    assert "does not clear" in load(out / "serving.yaml")["history"][-1]["forced"]
+
+
+def test_gates_come_from_the_run_config_else_the_report(tmp_path):
+    """The decision is checked against the run config's serving section next to the report; without one, against the
+    gates the report recorded; a run config that changed the gates since the eval makes the report stale."""
+    report_path, serving = write_report(tmp_path), tmp_path / "serving.yaml"
+    report = json.loads(report_path.read_text())
+    report["recommendation"]["gates"] = {"min_acceptance": 0.9, "min_speedup_margin": 0.05}
+    report_path.write_text(json.dumps(report))
+    with pytest.raises(UserError, match=r"acceptance_rate 0.71 is below min_acceptance 0.9 \(the gates the report"):
+        promote(report_path, serving)
+    (tmp_path / "eval").mkdir()
+    moved = report_path.rename(tmp_path / "eval" / "report.json")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"serving": {"temperature": 1.0, "draft_rule": "sample"}}))
+    with pytest.raises(UserError, match=r"is for temperature 0 \(greedy\), but the serving gates of .*yaml serve"):
+        promote(moved, serving)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"serving": {"min_acceptance": 0.7}}))
+    promote(moved, serving)  # the run's gates decide, and the report's numbers pass them
+    assert load(serving)["speculative"]["enabled"] is True
+
+
+def test_a_serving_path_that_is_a_folder_or_read_only_is_one_line_before_the_export(tmp_path):
+    from helpers.runs import small_filesystem
+
+    report, export = write_report(tmp_path), tmp_path / "drafts"
+    (tmp_path / "deploy").mkdir()
+    rc, _, stderr = cli_promote(report, "--serving", tmp_path / "deploy", "--export-dir", export)
+    assert rc == 2 and "is a folder; give a file path" in stderr and stderr.count("\n") == 1, stderr
+    with small_filesystem(tmp_path / "ro", "size=1m", "ro") as ro:
+        rc, _, stderr = cli_promote(report, "--serving", ro / "serving.yaml", "--export-dir", export)
+        assert rc == 2 and f"{ro} is on a read-only filesystem" in stderr and stderr.count("\n") == 1, stderr
+    assert not export.exists()  # refused before the export was written

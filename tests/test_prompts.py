@@ -24,6 +24,7 @@ from distill.prompts import (
     save_prompts,
     stratified_split,
 )
+from specdec_runtime.errors import UserError
 
 
 def write_jsonl(path, rows):
@@ -326,9 +327,9 @@ def test_sources_refuse_an_id_in_two_of_them_and_name_a_bad_one(tmp_path):
         concat_sources(load_sources(["builtin:train", "builtin"]))
     with pytest.raises(ValueError, match=r"^data.prompts\[1\] \(builtin:long_input\): unknown builtin split"):
         load_sources([a, "builtin:long_input"])
-    with pytest.raises(FileNotFoundError, match=r"^data.prompts\[0\] \(gone.jsonl\): prompt file not found"):
+    with pytest.raises(UserError, match=r"^data.prompts\[0\] \(gone.jsonl\): prompt file not found"):
         load_sources(["gone.jsonl", a])
-    with pytest.raises(FileNotFoundError, match=r"^prompt file not found: gone.jsonl$"):  # one source: as before
+    with pytest.raises(UserError, match=r"^prompt file not found: gone.jsonl$"):  # one source: as before
         load_sources("gone.jsonl")
 
 
@@ -409,9 +410,9 @@ def test_bad_records_name_the_index(tmp_path, rows, match):
 
 
 def test_missing_empty_and_malformed_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="prompt file not found: .*nope.jsonl"):
+    with pytest.raises(UserError, match="prompt file not found: .*nope.jsonl"):
         load_prompts(tmp_path / "nope.jsonl")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(UserError):
         load_prompts("./no/such/folder")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="has no prompts"):
@@ -429,6 +430,56 @@ def test_missing_empty_and_malformed_files(tmp_path):
         load_prompts(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}]), split="train")
 
 
+LATIN1 = "café".encode("latin-1")
+NOT_UTF8 = " is not UTF-8 text (byte 0xe9 at offset {}); save it as UTF-8"
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "says"),
+    [
+        (
+            "latin1.jsonl",
+            b'{"prompt": "' + LATIN1 + b'"}\n',
+            NOT_UTF8.format(15),
+        ),
+        (
+            "latin1.json",
+            b'[{"prompt": "' + LATIN1 + b'"}]',
+            NOT_UTF8.format(16),
+        ),
+        ("latin1.csv", b"prompt\n" + LATIN1 + b"\n", NOT_UTF8.format(10)),
+        (
+            "cut.json",
+            b'[{"prompt": "a"},\n {"prompt": "b"',
+            " is not valid JSON (Expecting ',' delimiter: line 2 column 16): the file ends early (truncated?)",
+        ),
+        (
+            "cut.jsonl",
+            b'{"prompt": "a"}\n{"prompt": "b',
+            ": line 2 is not valid JSON (Unterminated string starting at: column 12): the file ends there (truncated?)",
+        ),
+    ],
+)
+def test_undecodable_and_truncated_files_are_named_with_the_fix(tmp_path, name, data, says):
+    """Issue 24: a non-UTF-8 or cut-off prompt file gave a UnicodeDecodeError or a JSON error without the file."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(UserError) as e:
+        load_prompts(path)
+    assert str(e.value).startswith(str(path) + says), str(e.value)
+
+
+def test_a_truncated_parquet_file_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": [f"prompt {i}" for i in range(50)]}), path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} is not a readable parquet file .*; write it again$"):
+        load_prompts(path)
+
+
 def test_hub_id_without_network_fails_with_one_line(monkeypatch):
     import datasets
     import huggingface_hub
@@ -437,7 +488,7 @@ def test_hub_id_without_network_fails_with_one_line(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ConnectionError) as e:
+    with pytest.raises(UserError) as e:
         load_prompts("specdistill-test/no-such-prompts")
     assert str(e.value) == (
         "no network access to the Hugging Face hub for dataset 'specdistill-test/no-such-prompts'; pass a local "

@@ -112,7 +112,13 @@ def load_converted(speculators, converted):
     """A `speculators convert` output through speculators' own from_pretrained."""
     spec = speculators.Eagle3SpeculatorConfig.from_pretrained(converted)
     spec.transformer_layer_config._attn_implementation = "sdpa"
-    return speculators.Eagle3DraftModel.from_pretrained(converted, config=spec).eval()
+    model = speculators.Eagle3DraftModel.from_pretrained(converted, config=spec)
+    # The head has no embeddings of its own (the engines use the target's). speculators loads them from the verifier
+    # only where its weight still holds the NaN its __init__ writes, but transformers 5's from_pretrained builds the
+    # model on the meta device and materialises keys missing from the checkpoint uninitialised: whether they hold a
+    # NaN depends on the allocator's leftovers (a flaky, order-dependent mismatch). Load the target's, as vLLM does.
+    model._load_verifier_weights(overwrite_embed_tokens=True)
+    return model.eval()
 
 
 def our_chain(head, target, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -40,6 +40,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from specdec_runtime import atomic
+from specdec_runtime.errors import UserError
 
 MARKER = "COMPLETE"
 PREFIX = "step-"
@@ -47,9 +48,12 @@ MODEL_FILE = "model.safetensors"
 # The optimizer state of a DeepSpeed run as read back by one rank: {ZERO_KEY: its partition, ZERO_RANKS: how many}.
 ZERO_KEY, ZERO_RANKS = "zero_partition", "zero_ranks"
 ADAPTER_FILE = "adapter_model.safetensors"
+NO_FIT_FIX = (
+    "the checkpoint was written for another draft: set train.resume=false to start over, or use another output_dir"
+)
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(UserError):
     """A checkpoint folder cannot be resumed from; the message says which file and why."""
 
 
@@ -128,7 +132,9 @@ def apply_model_state(model, state: dict[str, torch.Tensor]) -> None:
     if isinstance(model, PeftModel):
         result = set_peft_model_state_dict(model, state)
         if result.unexpected_keys:
-            raise CorruptCheckpointError(f"adapter weights do not fit the student: {result.unexpected_keys[:3]}")
+            raise CorruptCheckpointError(
+                f"adapter weights do not fit the student: {result.unexpected_keys[:3]}; {NO_FIT_FIX}"
+            )
         return
     missing, unexpected = model.load_state_dict(state, strict=False)
     # save_pretrained stores a tied head once; its twin shares the loaded tensor's storage.
@@ -136,7 +142,9 @@ def apply_model_state(model, state: dict[str, torch.Tensor]) -> None:
     loaded = {own[name].data_ptr() for name in state if name in own}
     untied = [name for name in missing if own[name].data_ptr() not in loaded]
     if untied or unexpected:
-        raise CorruptCheckpointError(f"weights do not fit the student: missing {untied[:3]}, extra {unexpected[:3]}")
+        raise CorruptCheckpointError(
+            f"weights do not fit the student: missing {untied[:3]}, extra {unexpected[:3]}; {NO_FIT_FIX}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------

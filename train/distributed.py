@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from distill.students import merge_student
+from specdec_runtime.errors import UserError
 from specdec_runtime.loading import resolve_dtype
 from train.checkpoint import ZERO_KEY, ZERO_RANKS, begin_staging, staging_dir, zero_file
 from train.config import TrainConfig
@@ -232,7 +233,7 @@ def check_same_checkpoint(path: Path | None, root: Path) -> None:
     step, or none. A collective: every process calls it."""
     picked = set(gather_object([str(path) if path else "none"]))
     if len(picked) > 1:
-        raise ValueError(
+        raise UserError(
             f"the processes found different checkpoints to resume from ({', '.join(sorted(picked))}): a file "
             f"only some ranks read is unreadable; delete the newest step folder in {root} and run again"
         )
@@ -251,7 +252,7 @@ def check_deepspeed_device(target_device: str) -> None:
     """DeepSpeed never runs with cpu=True: it takes the GPUs whatever target.device says (refused here), and without
     CUDA its CPU accelerator, where gloo must be named (`process_group_kwargs`)."""
     if target_device == "cpu" and torch.cuda.is_available():
-        raise ValueError(
+        raise UserError(
             "DeepSpeed takes this machine's GPUs whatever target.device says: drop target.device=cpu, or launch "
             "without the DeepSpeed config file"
         )
@@ -261,7 +262,7 @@ def check_grad_accum(accelerator: Accelerator, train_cfg: TrainConfig) -> None:
     """train.grad_accum is the accumulation the loss is scaled for; accelerate lets a launcher config (the
     ACCELERATE_GRADIENT_ACCUMULATION_STEPS variable, or DeepSpeed's gradient_accumulation_steps) replace it."""
     if accelerator.gradient_accumulation_steps != train_cfg.grad_accum:
-        raise ValueError(
+        raise UserError(
             f"the launcher config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps} but "
             f"train.grad_accum={train_cfg.grad_accum}: remove gradient_accumulation_steps from the accelerate / "
             "DeepSpeed config file (train.grad_accum sets it)"
@@ -277,7 +278,7 @@ def configure_deepspeed(plugin, train_cfg: TrainConfig) -> None:
     the checkpoint and on-policy code here do not gather; FSDP does that (configs/accelerate/fsdp.yaml).
     """
     if plugin.zero_stage == 3:
-        raise ValueError(
+        raise UserError(
             "DeepSpeed ZeRO-3 is not supported by `specdistill distill`: use zero_stage 1 or 2 "
             "(configs/accelerate/deepspeed_zero2.yaml), or configs/accelerate/fsdp.yaml to shard the student"
         )
@@ -329,7 +330,7 @@ def load_optimizer_state(student, optimizer, saved: dict, *, deepspeed: bool, wo
     """Restore what `optimizer_state` saved into the prepared student's optimizer."""
     if deepspeed != (ZERO_KEY in saved):
         written, now = ("DeepSpeed", "without") if ZERO_KEY in saved else ("without DeepSpeed", "under DeepSpeed")
-        raise ValueError(
+        raise UserError(
             f"checkpoint {path} holds an optimizer state written {written}, and this run is {now} it: resume with "
             "the launcher config it was written with, or set train.resume=false to start over"
         )
@@ -337,7 +338,7 @@ def load_optimizer_state(student, optimizer, saved: dict, *, deepspeed: bool, wo
         set_optimizer_state_dict(student, optimizer, saved, options=StateDictOptions(full_state_dict=True))
         return
     if saved[ZERO_RANKS] != world:
-        raise ValueError(
+        raise UserError(
             f"checkpoint {path} holds DeepSpeed ZeRO optimizer partitions of {saved[ZERO_RANKS]} processes and this "
             f"run has {world}: resume with {saved[ZERO_RANKS]} processes, or set train.resume=false to start over"
         )

@@ -66,14 +66,16 @@ from distill.students import (
     student_hidden,
 )
 from specdec_runtime.atomic import write_text
+from specdec_runtime.errors import UserError
 from specdec_runtime.loading import LORA_BASE, load_model, stop_token_ids
 from train import checkpoint, distributed, validation
 from train.config import CandidateRun as CandidateRun  # the recipe's input, named where it is used
 from train.tracking import make_tracker
 
 
-class NonFiniteLossError(ValueError):
-    """The loss or gradient norm became NaN/inf; the run stopped before saving anything from that step."""
+class NonFiniteLossError(UserError):
+    """The loss or gradient norm became NaN/inf; the run stopped before saving anything from that step (the message
+    names the settings to change)."""
 
 
 def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -236,7 +238,7 @@ class DistillRecipe:
         self.global_batch = train_cfg.batch_size * train_cfg.grad_accum * self.world
         self.steps_per_epoch = len(self.train_ds) // self.global_batch
         if self.steps_per_epoch == 0:
-            raise ValueError(
+            raise UserError(
                 f"{len(self.train_ds)} training sequences are fewer than one global batch ({self.global_batch} = "
                 "train.batch_size x train.grad_accum x processes); lower them or generate more data"
             )
@@ -284,7 +286,7 @@ class DistillRecipe:
             distributed.check_same_checkpoint(ckpt.path if ckpt else None, self.ckpt_root)
         if ckpt is not None:
             if drift := self.run.config_drift(yaml.safe_load(ckpt.config_yaml)):
-                raise ValueError(
+                raise UserError(
                     f"checkpoint {ckpt.path} was trained with other settings ({', '.join(drift)}); set "
                     "train.resume=false to start over or use another output_dir"
                 )

@@ -1,9 +1,12 @@
-"""Tiny training runs: teacher data, configs, reference runs, weight/log comparisons, launchers and offline W&B runs."""
+"""Tiny training runs: teacher data, configs, reference runs, weight/log comparisons, launchers, offline W&B runs and
+small real filesystems (read-only or nearly full)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
+import subprocess
 import time
 from pathlib import Path
 
@@ -256,3 +259,16 @@ def require_speculators() -> None:
     if os.environ.get("SPECDISTILL_REQUIRE_SPECULATORS") == "1":
         pytest.fail(f"speculators not importable ({error}): `make install` puts it in with --no-deps", pytrace=False)
     pytest.skip(f"speculators not installed ({error}); `make install` adds it")
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, *options: str):
+    """A real tmpfs mounted at `path` (size and ro options); skipped where this process may not mount one."""
+    path.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(path)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.decode().strip()[:120]}): needs root with CAP_SYS_ADMIN")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
