@@ -262,12 +262,7 @@ def test_promote_reexports_over_its_own_export_only(tmp_path):
     from eval.export import not_an_export
     from specdec_runtime.errors import UserError
 
-    target, draft, tokenizer = pair()
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    ckpt = save_checkpoint(draft, tokenizer, tmp_path / "candidates" / "trunc2" / "best")
-    report = report_for(ckpt)
-    report["target"] = str(tmp_path / "target")
+    ckpt, report = promotable(tmp_path)
     report["recommendation"]["confirmation"] = {"acceptance_rate": 0.63, "speedup": 1.79, "speedup_ci": [1.6, 1.9]}
     (tmp_path / "report.json").write_text(json.dumps(report))
     args = (tmp_path / "report.json", tmp_path / "serving.yaml")
@@ -297,15 +292,21 @@ def test_folder_without_weights_is_a_clear_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_promote_exports_and_points_serving_at_the_export(tmp_path):
-    """Promotion is the one place export happens: the draft goes to <export_root>/<name> with a card holding the
-    serving config's own snippets, and the serving config points at it."""
+def promotable(tmp_path: Path) -> tuple[Path, dict]:
+    """A target folder, a trained-looking draft checkpoint of it, and a report recommending that draft."""
     target, draft, tokenizer = pair()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     ckpt = save_checkpoint(draft, tokenizer, tmp_path / "candidates" / "trunc2" / "best")
     report = report_for(ckpt)
     report["target"] = str(tmp_path / "target")
+    return ckpt, report
+
+
+def test_promote_exports_and_points_serving_at_the_export(tmp_path):
+    """Promotion is the one place export happens: the draft goes to <export_root>/<name> with a card holding the
+    serving config's own snippets, and the serving config points at it."""
+    ckpt, report = promotable(tmp_path)
     report["recommendation"]["confirmation"] = {
         "acceptance_rate": 0.6345,
         "mean_accepted_length": 2.6,

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from helpers.runs import small_filesystem
+from helpers.runs import TRUNCATED_PROMPT_FILES, small_filesystem
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -362,16 +362,7 @@ def test_a_truncated_file_in_a_draft_folder_is_named_in_one_line_by_every_comman
     ("name", "data", "says"),
     [
         ("latin1.jsonl", b'{"prompt": "caf\xe9"}\n', " is not UTF-8 text (byte 0xe9 at offset 15); save it as UTF-8"),
-        (
-            "cut.json",
-            b'[{"prompt": "a"},\n {"prompt": "b"',
-            " is not valid JSON (Expecting ',' delimiter: line 2 column 16): the file ends early (truncated?)",
-        ),
-        (
-            "cut.jsonl",
-            b'{"prompt": "a"}\n{"prompt": "b',
-            ": line 2 is not valid JSON (Unterminated string starting at: column 12): the file ends there (truncated?)",
-        ),
+        *TRUNCATED_PROMPT_FILES,
     ],
 )
 def test_undecodable_and_truncated_prompt_files_are_named_in_one_line(name, data, says, tiny_draft, env, tmp_path):

@@ -9,6 +9,7 @@ import re
 from collections import Counter
 
 import pytest
+from helpers.runs import TRUNCATED_PROMPT_FILES
 
 from distill.prompt_roles import overlap_count, prompt_key
 from distill.prompts import (
@@ -448,16 +449,7 @@ NOT_UTF8 = " is not UTF-8 text (byte 0xe9 at offset {}); save it as UTF-8"
             NOT_UTF8.format(16),
         ),
         ("latin1.csv", b"prompt\n" + LATIN1 + b"\n", NOT_UTF8.format(10)),
-        (
-            "cut.json",
-            b'[{"prompt": "a"},\n {"prompt": "b"',
-            " is not valid JSON (Expecting ',' delimiter: line 2 column 16): the file ends early (truncated?)",
-        ),
-        (
-            "cut.jsonl",
-            b'{"prompt": "a"}\n{"prompt": "b',
-            ": line 2 is not valid JSON (Unterminated string starting at: column 12): the file ends there (truncated?)",
-        ),
+        *TRUNCATED_PROMPT_FILES,
     ],
 )
 def test_undecodable_and_truncated_files_are_named_with_the_fix(tmp_path, name, data, says):

@@ -272,3 +272,18 @@ def small_filesystem(path: Path, *options: str):
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+# Prompt files cut short, with what the error must say after the file's name: (file name, bytes, message tail).
+TRUNCATED_PROMPT_FILES = [
+    (
+        "cut.json",
+        b'[{"prompt": "a"},\n {"prompt": "b"',
+        " is not valid JSON (Expecting ',' delimiter: line 2 column 16): the file ends early (truncated?)",
+    ),
+    (
+        "cut.jsonl",
+        b'{"prompt": "a"}\n{"prompt": "b',
+        ": line 2 is not valid JSON (Unterminated string starting at: column 12): the file ends there (truncated?)",
+    ),
+]
