@@ -6,6 +6,7 @@ tests/helpers/.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import weakref
@@ -284,6 +285,25 @@ def test_resume_never_unpickles_the_rng_states(tmp_path, tiny, capsys):
     assert not marker.exists(), "a checkpoint's pickle ran on resume"
     out = capsys.readouterr().out
     assert "skipping checkpoint" in out and "rng.pt" in out and "unpickling runs code" in out, out
+
+
+def test_a_zero_partition_is_read_without_running_its_pickle(tmp_path):
+    """A DeepSpeed run's optimizer partition is read by the weights-only unpickler with DeepSpeed's record classes
+    allow-listed: a crafted partition in a copied run directory is refused (the checkpoint skipped), never run."""
+    from safetensors.torch import save_file
+
+    from train.checkpoint import MARKER, CorruptCheckpointError, TrainerState, read_checkpoint, zero_file
+
+    step = tmp_path / "step-000001"
+    step.mkdir()
+    (step / "trainer_state.json").write_text(json.dumps(dataclasses.asdict(TrainerState(step=1))))
+    save_file({"w": torch.zeros(2)}, step / "model.safetensors")
+    marker = tmp_path / "pwned"
+    torch.save({"state": _Payload(str(marker))}, step / zero_file(0))
+    (step / MARKER).write_text("")
+    with pytest.raises(CorruptCheckpointError, match=zero_file(0)):
+        read_checkpoint(step, adapter=False, rank=0)
+    assert not marker.exists(), "a checkpoint's pickle ran on resume"
 
 
 def test_gradient_accumulation_equals_the_big_batch(tmp_path, tiny):

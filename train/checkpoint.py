@@ -289,6 +289,17 @@ def prune_checkpoints(root: Path, keep_last: int) -> None:
         shutil.rmtree(path)
 
 
+def zero_partition_globals() -> list[type]:
+    """The non-tensor classes DeepSpeed (0.19) pickles into a ZeRO-2 optimizer partition: data records (an Enum, a
+    dataclass, the loss scaler's attributes), which the weights-only unpickler may rebuild without running code. A
+    DeepSpeed that adds another is refused by name (the checkpoint is skipped with the class in the message)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, fragment_address, LossScaler]
+
+
 def read_checkpoint(path: Path, *, adapter: bool, rank: int = 0) -> Checkpoint:
     """Load every file of a step folder (of a DeepSpeed run: `rank`'s own ZeRO partition); raise
     CorruptCheckpointError naming the first unreadable one."""
@@ -302,11 +313,13 @@ def read_checkpoint(path: Path, *, adapter: bool, rank: int = 0) -> Checkpoint:
         model = load_file(path / name)
         zero_ranks = len(list(path.glob(ZERO_GLOB)))
         if zero_ranks:
-            # ZeRO's partitions hold DeepSpeed objects (its loss scaler) besides tensors: like rng.pt below, files we
-            # wrote ourselves, so full unpickling is acceptable for them. A rank the checkpoint has no partition for
-            # (more processes now) reads none; the resume then refuses with the process counts.
+            # A ZeRO partition holds three DeepSpeed records besides tensors (its stage enum, fragment addresses, the
+            # loss scaler): allow-listed for torch's weights-only unpickler, so reading a copied run directory runs no
+            # code. A rank the checkpoint has no partition for (more processes now) reads none; the resume then
+            # refuses with the process counts.
             name = zero_file(rank)
-            mine = torch.load(path / name, weights_only=False, mmap=True) if rank < zero_ranks else None
+            with torch.serialization.safe_globals(zero_partition_globals()):
+                mine = torch.load(path / name, weights_only=True, mmap=True) if rank < zero_ranks else None
             optimizer = {ZERO_KEY: mine, ZERO_RANKS: zero_ranks}
         else:
             name = "optimizer.pt"
