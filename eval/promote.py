@@ -349,10 +349,10 @@ def check_decision(rec: dict, report_path: Path) -> str | None:
 # The draft
 
 
-def check_draft_folder(rec: dict, report_path: Path) -> str:
+def check_recommended_draft(rec: dict, report_path: Path) -> str:
     """The draft's kind, once its folder is known to exist, to hold a draft of the kind the report claims (an EAGLE-3
     head or a standalone model) and to have readable config and weights (headers only, no weights are loaded)."""
-    from specdec_runtime.loading import ModelLoadError, check_model_files, load_config
+    from specdec_runtime.loading import ModelLoadError, check_draft_folder, load_config
 
     folder = Path(rec["draft"]).expanduser()
     if not folder.is_dir():
@@ -365,10 +365,7 @@ def check_draft_folder(rec: dict, report_path: Path) -> str:
     if claimed != kind:
         holds = "an EAGLE-3 head" if kind == "eagle3" else "a standalone draft model, not an EAGLE-3 head"
         raise UserError(f"{report_path}: recommendation.kind is {claimed}, but {folder} holds {holds}; {EDITED}")
-    check_model_files(folder)
-    weights = sorted(folder.glob("*.safetensors"))
-    if not weights:
-        raise UserError(f"{folder} holds no weights (*.safetensors); is the draft complete?")
+    check_draft_folder(folder)  # a config and weights, every file whole (headers only)
     if kind == "standalone" and (folder / CONFIG_FILE).is_file():
         try:  # the HF config a serving engine reads first
             load_config(str(folder))
@@ -624,7 +621,7 @@ def promote(
     schema (`load_report`), a report whose `enabled` disagrees with its numbers under the serving gates
     (`check_decision`; unless `force`, which promotes what it says and records the disagreement), a report made for
     another target (by fingerprint when both sides have one, else by spec), a missing draft folder or one of another
-    kind (`check_draft_folder`), an enabled draft whose vocabulary differs from the target's (`check_draft`), a
+    kind (`check_recommended_draft`), an enabled draft whose vocabulary differs from the target's (`check_draft`), a
     serving path that cannot be written or an existing serving file that is not a YAML mapping (unless `force`), an
     export folder holding anything but this draft's previous export (`check_own_export_dir`).
     With `export_root`, the recommended draft (enabled or not: a disabled one for inspection) is exported to
@@ -653,7 +650,7 @@ def promote(
     check_target(report, report_path, expected_target, target_fingerprint(view, view.tokenizer))
     export_dir = export_dir_for(rec, export_root) if export_root is not None and rec.get("draft") else None
     if rec["enabled"] or export_dir is not None:
-        check_draft_folder(rec, report_path)
+        check_recommended_draft(rec, report_path)
     if rec["enabled"]:
         check_draft(rec, view)
     check_serving_path(serving_path)

@@ -39,6 +39,7 @@ from specdec_runtime.eagle3 import Eagle3Draft, first_step_logits
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.errors import UserError
 from specdec_runtime.loading import (
+    check_draft_folder,
     check_model_files,
     check_vocab_compatible,
     load_checkpoint,
@@ -98,20 +99,6 @@ def _run_dir_candidates(run_dir: Path) -> list[Candidate]:
     if not out:
         raise UserError(f"{run_dir} has no best/ and no complete checkpoint; has its distillation finished?")
     return out
-
-
-def check_draft_folder(path: Path) -> None:
-    """Refuse, before any model loads, a candidate folder without a config or weights, or with a truncated or corrupt
-    file (`check_model_files`)."""
-    has_weights = any(path.glob("*.safetensors")) or (path / "adapter_config.json").is_file()
-    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-        raise UserError(
-            f"candidate folder {path} has no config.json: expected an HF model folder "
-            "(config.json + *.safetensors), e.g. candidates/<name>/best"
-        )
-    if not has_weights:
-        raise UserError(f"candidate folder {path} has no weights (*.safetensors); is the checkpoint complete?")
-    check_model_files(path)
 
 
 def load_draft(cand: Candidate, device: str, dtype: str):

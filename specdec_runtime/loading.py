@@ -240,6 +240,20 @@ def check_model_files(folder: Path | str) -> None:
                 ) from None
 
 
+def check_draft_folder(path: Path) -> None:
+    """Refuse, before any model loads, a candidate folder without a config or weights, or with a truncated or corrupt
+    file (`check_model_files`)."""
+    has_weights = any(path.glob("*.safetensors")) or (path / "adapter_config.json").is_file()
+    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        raise UserError(
+            f"candidate folder {path} has no config.json: expected an HF model folder "
+            "(config.json + *.safetensors), e.g. candidates/<name>/best"
+        )
+    if not has_weights:
+        raise UserError(f"candidate folder {path} has no weights (*.safetensors); is the checkpoint complete?")
+    check_model_files(path)
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 

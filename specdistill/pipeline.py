@@ -426,7 +426,7 @@ def candidate_dirs(cfg: RootConfig) -> list[Path]:
 
 def config_candidates(cfg: RootConfig):
     from eval.results import Candidate
-    from eval.sweep import check_draft_folder
+    from specdec_runtime.loading import check_draft_folder
 
     out = []
     for run_dir in candidate_dirs(cfg):
