@@ -133,8 +133,11 @@ def arm_summary(stats: GenerationStats) -> dict:
 
 
 def graph_entries(*models) -> list:
-    """Every CUDA graph the compact models among `models` hold (`Llama.graphs`: width -> rows -> entry)."""
-    return [e for m in models if isinstance(m, Llama) for by_rows in m.graphs.values() for e in by_rows.values()]
+    """Every CUDA graph the compact models among `models` hold (`Llama.graphs`: width -> rows -> entry), and an
+    EAGLE-3 head's drafting-step graphs (`HeadCache.graphs`: rows -> entry)."""
+    entries = [e for m in models if isinstance(m, Llama) for by_rows in m.graphs.values() for e in by_rows.values()]
+    heads = [m.head_cache for m in models if isinstance(m, Eagle3Draft) and m.head_cache is not None]
+    return entries + [e for cache in heads for e in cache.graphs.values()]
 
 
 def captured(before: list, after: list) -> bool:
@@ -177,6 +180,8 @@ def row_failures(key: str, row: dict, on_cuda: bool) -> list[str]:
             out.append(f"{key}: efficiency {eff} above {SELF_MAX_EFFICIENCY}: a measurement bug")
     if key == "eagle3" and on_cuda and not row["target_graphs_copy_aux"]:
         out.append(f"{key}: the target's CUDA graphs were not captured with the aux-state copies")
+    if key == "eagle3" and on_cuda and not row["head_graphs"]:
+        out.append(f"{key}: the head's drafting step did not run as a CUDA graph")
     return out
 
 
@@ -342,10 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     if "eagle3" in args.sections:
 
         def eagle3() -> dict:
-            fast_t = Llama.from_hf(target, dtype=torch.bfloat16)
-            row = paired_ab(fast_t, eagle3_head(target), prompts, **ab)
+            fast_t, head = Llama.from_hf(target, dtype=torch.bfloat16), eagle3_head(target)
+            row = paired_ab(fast_t, head, prompts, **ab)
             # the hooks' copies live in the graphs only when the aux capture was set up before them (eagle3_state)
             row["target_graphs_copy_aux"] = fast_t.eagle3_capture is not None and bool(fast_t.graphs)
+            row["head_graphs"] = sorted(head.head_cache.graphs) if head.head_cache is not None else []  # row counts
             return row
 
         section(results, "eagle3", eagle3)

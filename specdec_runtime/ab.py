@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .eagle3 import Eagle3Draft
 from .llama import Llama
 from .metrics import GenerationStats, analytic_speedup, cost_ratios, merge_stats
 from .tree import DynamicTreeShape, Tree, parse_tree, tree_size
@@ -113,11 +114,14 @@ def capture_graphs(target, draft, *, batch_size: int, gamma: int, tree: str | Tr
     batch_size rows can replay, for every width of `graph_widths` and every power-of-two row count a shrinking
     batch passes through, so no timed call captures one. Any width the warm-up already captured is filled in too.
     Compact models on CUDA have graphs, and on the CPU those with compiled steps (`cpu.compile_steps`: compiled here
-    instead); anything else (the eager CPU fast path, HF models, an EAGLE-3 head) is left as is."""
+    instead); an EAGLE-3 head on CUDA has one graph, its drafting step, per row count (`eagle3_state.HeadCache`);
+    anything else (the eager CPU fast path, HF models) is left as is."""
     target_widths, draft_widths = graph_widths(gamma, tree)
     for model, widths in ((target, target_widths), (draft, draft_widths)):
         if isinstance(model, Llama):
             model.capture_graphs(widths | set(model.graphs), batch_size)
+    if isinstance(draft, Eagle3Draft) and draft.head_cache is not None:
+        draft.head_cache.capture_graphs(batch_size)
 
 
 # ---------------------------------------------------------------------------------------------- per-token speed

@@ -176,7 +176,11 @@ def cpu_eagle3(head: nn.Module, dtype: torch.dtype) -> nn.Module:
     weight per draft step; norms, rope and the vocabulary maps stay as they are. The engine's state reads its dtype
     from `fc.weight`, so the head's caches and pre-norm states follow `dtype` (a draft's numerics may change; exact
     verification makes the output the target's either way). The head given is left untouched."""
-    fast = copy.deepcopy(head)
+    cache, head.head_cache = head.head_cache, None  # the engine's buffers (and the target's embedding) stay behind
+    try:
+        fast = copy.deepcopy(head)
+    finally:
+        head.head_cache = cache
     for module in list(fast.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

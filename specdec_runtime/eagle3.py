@@ -304,6 +304,8 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.zeros(llama.vocab_size, dtype=torch.bool))
         self.rotary = Eagle3Rotary(llama)  # inv_freq: a non-persistent fp32 buffer, not in the weights
         self.cpu_fast = False  # True: a `cpu.cpu_eagle3` copy, its linears laid out once for the CPU
+        self.use_graphs = True  # False: eager CUDA drafting steps (to measure what the graph buys)
+        self.head_cache = None  # eagle3_state.HeadCache: the engine's buffers and CUDA graphs, kept across calls
 
     @property
     def target_vocab(self) -> int:

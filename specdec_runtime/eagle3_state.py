@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from .eagle3 import Eagle3Draft, to_target_logits
 from .kv import hole_layout, make_state
-from .llama import Llama, StaticState
+from .llama import Llama, StaticState, graph_rows
 
-__all__ = ["AuxCapture", "AuxTargetState", "Eagle3State", "eagle3_states"]
+__all__ = ["AuxCapture", "AuxTargetState", "Eagle3State", "HeadCache", "eagle3_states"]
 
 
 # ------------------------------------------------------------------------------------------------ the target's side
@@ -195,40 +195,179 @@ class SlotCache:
         return self.k[:B].transpose(1, 2), self.v[:B].transpose(1, 2)
 
 
-class Eagle3State:
-    """The head's state over a ragged batch, fed by the engine like any draft (module docstring)."""
+class HeadCache:
+    """The head's per-row buffers and its drafting step's CUDA graphs, kept on the head across generate calls as the
+    compact target keeps its static cache: a graph records addresses, so every update is in place (finished rows
+    leave by moving the kept rows to the front) and a later call replays the graphs an earlier one captured.
 
-    def __init__(self, draft: Eagle3Draft, target: AuxTargetState, embed: nn.Embedding, batch_size: int, max_len: int):
-        self.model, self.target, self.embed = draft, target, embed
+    Slot r of a row holds row r (keys, values, pre-norm output), `tokens` the token at each position; the last slot
+    is the trash slot of holes. lengths / rows / fed: tokens fed, rows computed, rows computed from target features.
+    """
+
+    def __init__(self, draft: Eagle3Draft, embed: nn.Embedding, rows: int, S: int):
         cfg, dtype, dev = draft.config, draft.compute_dtype, draft.norm.weight.device
-        self.S = max_len + 1  # slot r holds row r; the last slot is the trash slot of holes
-        shape = (batch_size, self.S, cfg.num_key_value_heads, cfg.head_dim)
-        self.k, self.v = torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev)
-        self.pre = torch.zeros(batch_size, self.S, cfg.hidden_size, dtype=dtype, device=dev)  # (B, S, H) pre-norm
-        self.tokens = torch.zeros(batch_size, self.S, dtype=torch.long, device=dev)  # token at each position
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=dev)  # tokens fed = the engine's view
-        self.rows = torch.zeros_like(self.lengths)  # rows 0..rows-1 are in the cache
-        self.fed = torch.zeros_like(self.lengths)  # rows 0..fed-1 were fed target features
-        self.segment = 0  # uncommitted tree rows, in the slots after each row's `rows`
-        self.seg_pre, self.seg_tokens = self.pre[:, :0], self.tokens[:, :0]  # (B, W, H), (B, W) of those rows
+        self.draft, self.embed, self.S = draft, embed, S
+        self.k = torch.zeros(rows, S, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.pre = torch.zeros(rows, S, cfg.hidden_size, dtype=dtype, device=dev)  # (rows, S, H) pre-norm outputs
+        self.tokens = torch.zeros(rows, S, dtype=torch.long, device=dev)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.rows, self.fed = torch.zeros_like(self.lengths), torch.zeros_like(self.lengths)
+        self.graphs: dict[int, tuple] = {}  # graph rows (`llama.graph_rows`) -> (replay, x, logits)
+        self.pool = None
 
-    def _run(self, hidden: Tensor, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, last_only: bool):
-        """One head forward over rows (B, R): hidden (B, R, H), next tokens, rope positions, cache slots, mask
-        (B, 1, R, S) -> target-id logits (B, R or 1, V) fp32 and pre-norm outputs (B, R, H)."""
-        embeds = self.embed(tokens).to(hidden.dtype)
-        cache = SlotCache(self.k, self.v, slots)
-        logits, pre = self.model(hidden, embeds, positions, cache, mask, last_only=last_only)
-        return to_target_logits(logits.float(), self.model.d2t, self.model.target_vocab), pre
+    @classmethod
+    def for_call(cls, draft: Eagle3Draft, embed: nn.Embedding, batch_size: int, max_len: int) -> "HeadCache":
+        """The head's cache, kept when it fits this call (rows, positions, dtype, device, the target's embedding),
+        else a new one (dropping the old graphs with it); its first batch_size rows start empty."""
+        cache, dev = draft.head_cache, draft.norm.weight.device
+        fits = (
+            cache is not None
+            and cache.embed is embed
+            and cache.k.shape[0] >= batch_size
+            and cache.S > max_len
+            and cache.k.dtype == draft.compute_dtype
+            and cache.k.device == dev
+        )
+        if not fits:
+            cache = draft.head_cache = None  # free the old buffers first
+            S = -(-(max_len + 1) // 16) * 16  # rounded, as the target's, so similar lengths reuse it
+            cache = draft.head_cache = cls(draft, embed, batch_size, S)
+        for t in (cache.lengths, cache.rows, cache.fed):
+            t[:batch_size].zero_()
+        return cache
 
-    def _hidden(self, r: Tensor, from_target: Tensor) -> Tensor:
-        """Rows r (B, R) -> their hidden states (B, R, H): fc(target features of r), or row r - 1's pre-norm."""
-        own = self.pre.gather(1, (r - 1).clamp_min(0)[..., None].expand(-1, -1, self.pre.shape[-1]))
-        # A drafting step computes fc (3H -> H) for nothing; skipping it takes a host read, free on the CPU only (CUDA
-        # computes fc rather than wait for the device).
+    def buffers(self) -> tuple[Tensor, ...]:
+        return self.k, self.v, self.pre, self.tokens, self.lengths, self.rows, self.fed
+
+    def bookkeeping(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.lengths, self.rows, self.fed
+
+    def graphed(self) -> bool:
+        return self.k.device.type == "cuda" and self.draft.use_graphs
+
+    # ------------------------------------------------------------------------------------------------ one forward
+
+    def advance(self, B: int, tokens: Tensor, counts: Tensor, R: int, target=None) -> Tensor:
+        """Feed rows 0..B-1 tokens (B, T) (counts real, right-aligned) and compute up to R new rows each -> the
+        last row's target-id logits (B, 1, V) fp32.
+
+        A new row r pairs the hidden state of position r with the embedding of token r + 1: the target's feature
+        through fc when `target` (AuxTargetState) has scored r, else row r - 1's pre-norm output. target=None: a
+        drafting step, whose rows the target has never scored (the drafted tokens lie past its verified ones), so
+        the step reads nothing of the target's and a CUDA graph of it replays in any call."""
+        S, dev = self.S, tokens.device
+        T = tokens.shape[1]
+        lengths, done, fed = self.lengths[:B], self.rows[:B], self.fed[:B]
+        valid, positions = hole_layout(counts, lengths, T)
+        row_ids = torch.arange(B, device=dev)[:, None]
+        self.tokens[row_ids, torch.where(valid, positions, S - 1)] = tokens
+        lengths.add_(counts)
+        new = (lengths - 1 - done).clamp_min(0)  # (B,) rows to compute: rows .. lengths - 2
+        if R == 0:  # one-token prompts at prefill: no row has a next token yet
+            return torch.zeros(B, 1, self.draft.target_vocab, device=dev)
+        live, r = hole_layout(new, done, R)  # (B, R) right-aligned rows; rows with fewer are padded on the left
+        own = self.pre[:B].gather(1, (r - 1).clamp_min(0)[..., None].expand(-1, -1, self.pre.shape[-1]))
+        from_target = r < target.lengths[:, None] if target is not None else torch.zeros_like(live)
+        hidden = own if target is None else self._hidden(r, from_target, own, target)
+        slots = torch.where(live, r, S - 1)
+        cols = torch.arange(S, device=dev)
+        mask = torch.where(live[..., None], cols <= r[..., None], cols == S - 1)[:, None]  # (B, 1, R, S)
+        nxt = self.tokens[:B].gather(1, (r + 1).clamp(max=S - 1))
+        embeds = self.embed(nxt).to(hidden.dtype)
+        logits, pre = self.draft(hidden, embeds, r, SlotCache(self.k, self.v, slots), mask, last_only=True)
+        self.pre[row_ids, slots] = pre
+        fed.copy_(torch.where(fed == done, fed + (live & from_target).sum(1), fed))
+        done.add_(new)
+        return to_target_logits(logits.float(), self.draft.d2t, self.draft.target_vocab)
+
+    def _hidden(self, r: Tensor, from_target: Tensor, own: Tensor, target) -> Tensor:
+        """Rows r (B, R) -> hidden states (B, R, H): fc(target features of r) where the target scored r, else own."""
+        # Skipping fc (3H -> H) where no row needs it takes a host read, free on the CPU only (CUDA computes fc
+        # rather than wait for the device).
         if reads_are_free(r.device) and not bool(from_target.any()):
             return own
-        features = self.target.features(r).to(self.model.compute_dtype)
-        return torch.where(from_target[..., None], self.model.fc(features), own)
+        features = target.features(r).to(self.draft.compute_dtype)
+        return torch.where(from_target[..., None], self.draft.fc(features), own)
+
+    # ----------------------------------------------------------------------------------- the drafting step, graphed
+
+    def draft_step(self, B: int, x: Tensor) -> Tensor:
+        """Feed each of rows 0..B-1 its drafted token x (B,) -> the next draft logits (B, V) fp32; on CUDA one graph
+        replay per call (60-80 kernel launches otherwise), its rows a power of two with padding rows past B."""
+        if not self.graphed():
+            return self.advance(B, x[:, None], torch.ones_like(x), 1)[:, -1]
+        rows = graph_rows(B, self.k.shape[0])
+        if rows not in self.graphs:
+            self.graphs[rows] = self._capture(rows)
+        replay, x_in, logits = self.graphs[rows]
+        x_in[:B], x_in[B:] = x, 0
+        for t in self.bookkeeping():
+            t[B:rows] = 0  # padding rows (no row in this call) feed position 0 and compute nothing: trash slot only
+        replay()
+        return logits[:B].clone()  # the graph's buffer: the next replay overwrites it
+
+    def capture_graphs(self, max_rows: int) -> None:
+        """Capture now the drafting step's graph for every row count a batch of up to max_rows rows replays, so that
+        none is captured inside a timed call; a no-op off CUDA or without graphs."""
+        if self.graphed():
+            for rows in sorted({graph_rows(b, self.k.shape[0]) for b in range(1, max_rows + 1)}):
+                if rows not in self.graphs:
+                    self.graphs[rows] = self._capture(rows)
+
+    @torch.no_grad()  # a graph captured with autograd on records a backward graph, its saved tensors in the pool
+    def _capture(self, rows: int) -> tuple:
+        """The drafting step of `rows` rows as a graph -> (replay, its input x (rows,), its logits (rows, V)).
+
+        Safe inside a call: the warm-up runs as padding rows (empty bookkeeping), which write a token at position 0
+        and keys, values and pre-norm outputs at the trash slot only; what they change of the live rows is put back.
+        """
+        x = torch.zeros(rows, dtype=torch.long, device=self.k.device)
+        kept = [t[:rows].clone() for t in self.bookkeeping()] + [self.tokens[:rows, 0].clone()]
+
+        def as_padding() -> None:
+            for t in self.bookkeeping():
+                t[:rows] = 0
+
+        step = partial(self.advance, rows, x[:, None], torch.ones_like(x), 1)
+        replay, logits = self._record(lambda: step()[:, -1], as_padding)
+        for t, old in zip([*self.bookkeeping(), self.tokens[:, 0]], kept):
+            t[:rows] = old
+        return replay, x, logits
+
+    def _record(self, step, reset) -> tuple:
+        """Warm `step` up on a side stream (each run after `reset`), then capture it in the pool the head's graphs
+        share -> (replay, its output)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                reset()
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        reset()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        return graph.replay, out
+
+
+class Eagle3State:
+    """The head's state over a ragged batch, fed by the engine like any draft (module docstring): rows 0..B-1 of the
+    head's cache (`HeadCache`), B shrinking as finished rows leave."""
+
+    def __init__(self, draft: Eagle3Draft, target: AuxTargetState, embed: nn.Embedding, batch_size: int, max_len: int):
+        self.model, self.target = draft, target
+        self.cache = HeadCache.for_call(draft, embed, batch_size, max_len)
+        self.B = batch_size
+        self.segment = 0  # uncommitted tree rows, in the slots after each row's `rows`
+        self.seg_pre, self.seg_tokens = self.cache.pre[:batch_size, :0], self.cache.tokens[:batch_size, :0]
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) tokens fed: the engine's view. A view of the cache: updated in place, never reassigned."""
+        return self.cache.lengths[: self.B]
 
     def extend(self, tokens: Tensor, counts: Tensor, last_only: bool = False, new_rows: int | None = None) -> Tensor:
         """new_rows: R, the most rows any batch row computes (kv.py), from the engine: reading it off the device
@@ -238,30 +377,18 @@ class Eagle3State:
                 "an EAGLE-3 draft state returns the last fed token's logits only (last_only=True) and takes the most "
                 "rows a batch row computes from its caller (new_rows=R)"
             )
-        B, T = tokens.shape
-        valid, positions = hole_layout(counts, self.lengths, T)
-        rows_idx = torch.arange(B, device=tokens.device)[:, None]
-        self.tokens[rows_idx, torch.where(valid, positions, self.S - 1)] = tokens
-        self.lengths = self.lengths + counts
-        new = (self.lengths - 1 - self.rows).clamp_min(0)  # (B,) rows to compute: rows .. lengths - 2
-        R = new_rows  # >= max(new); rows with fewer are padded on the left, like holes
-        if R == 0:  # one-token prompts at prefill: no row has a next token yet
-            return torch.zeros(B, 1, self.model.target_vocab, device=tokens.device)
-        live, r = hole_layout(new, self.rows, R)  # (B, R) right-aligned rows
-        from_target = r < self.target.lengths[:, None]  # the target scored position r; else only r == rows
-        slots = torch.where(live, r, self.S - 1)
-        cols = torch.arange(self.S, device=tokens.device)
-        mask = torch.where(live[..., None], cols <= r[..., None], cols == self.S - 1)[:, None]  # (B, 1, R, S)
-        nxt = self.tokens.gather(1, (r + 1).clamp(max=self.S - 1))
-        logits, pre = self._run(self._hidden(r, from_target), nxt, r, slots, mask, last_only=True)
-        self.pre[rows_idx, slots] = pre
-        self.fed = torch.where(self.fed == self.rows, self.fed + (live & from_target).sum(1), self.fed)
-        self.rows = self.rows + new
-        return logits
+        return self.cache.advance(self.B, tokens, counts, new_rows, self.target)
+
+    def draft_step(self, x: Tensor) -> Tensor:
+        """The chain's drafting step: feed each row its drafted token x (B,) -> next draft logits (B, V)."""
+        return self.cache.draft_step(self.B, x)
 
     def rollback(self, drop: Tensor) -> None:
-        self.lengths = self.lengths - drop
-        self.rows = self.fed = torch.minimum(self.fed, (self.lengths - 1).clamp_min(0))
+        c, B = self.cache, self.B
+        c.lengths[:B].sub_(drop)
+        kept = torch.minimum(c.fed[:B], (c.lengths[:B] - 1).clamp_min(0))
+        c.rows[:B].copy_(kept)
+        c.fed[:B].copy_(kept)
 
     def tree_forward(self, tokens: Tensor, positions: Tensor, seen: Tensor) -> Tensor:
         """Tree nodes (B, T) at token positions (B, T); seen (B, T, W + T) flags their segment ancestors and self.
@@ -269,37 +396,43 @@ class Eagle3State:
         A node's row takes its parent's pre-norm output (the newest ancestor: parents are forwarded first; the root
         is the last fed token, row rows - 1) and sits in the slots after the row's committed rows."""
         B, T = tokens.shape
-        W, dev = self.segment, tokens.device
-        H = self.pre.shape[-1]
-        hidden = self.pre.gather(1, (self.rows - 1).clamp_min(0)[:, None, None].expand(B, T, H))  # the root's
+        c, W, dev = self.cache, self.segment, tokens.device
+        S, H, done = c.S, c.pre.shape[-1], c.rows[:B]
+        hidden = c.pre[:B].gather(1, (done - 1).clamp_min(0)[:, None, None].expand(B, T, H))  # the root's
         if W:
             parent = (seen[..., :W] * torch.arange(1, W + 1, device=dev)).max(-1).values - 1  # (B, T), -1: root
             own = self.seg_pre.gather(1, parent.clamp_min(0)[..., None].expand(B, T, H))
             hidden = torch.where((parent >= 0)[..., None], own, hidden)
-        slots = self.rows[:, None] + W + torch.arange(T, device=dev)
-        rel = torch.arange(self.S, device=dev) - self.rows[:, None]  # (B, S) segment column of each slot
-        seen_slot = seen.gather(2, rel.clamp(0, W + T - 1)[:, None, :].expand(B, T, self.S))
+        slots = done[:, None] + W + torch.arange(T, device=dev)
+        rel = torch.arange(S, device=dev) - done[:, None]  # (B, S) segment column of each slot
+        seen_slot = seen.gather(2, rel.clamp(0, W + T - 1)[:, None, :].expand(B, T, S))
         mask = (rel < 0)[:, None] | ((rel >= 0) & (rel < W + T))[:, None] & seen_slot  # (B, T, S)
-        logits, pre = self._run(hidden, tokens, positions - 1, slots, mask[:, None], last_only=False)
+        embeds = c.embed(tokens).to(hidden.dtype)
+        logits, pre = self.model(hidden, embeds, positions - 1, SlotCache(c.k, c.v, slots), mask[:, None])
         self.seg_pre = torch.cat([self.seg_pre, pre], 1) if W else pre
         self.seg_tokens = torch.cat([self.seg_tokens, tokens], 1) if W else tokens
         self.segment = W + T
-        return logits
+        return to_target_logits(logits.float(), self.model.d2t, self.model.target_vocab)
 
     def tree_commit(self, cols: Tensor, counts: Tensor) -> None:
         """The path's tokens join the fed tokens; its rows (fed the head's own states) are dropped with the segment."""
         if self.segment:
-            K, rows_idx = cols.shape[1], torch.arange(cols.shape[0], device=cols.device)[:, None]
-            steps = torch.arange(K, device=cols.device)
-            dst = torch.where(steps < counts[:, None], self.lengths[:, None] + steps, self.S - 1)
-            self.tokens[rows_idx, dst] = self.seg_tokens.gather(1, cols.clamp_min(0))
-            self.lengths = self.lengths + counts
+            c, B, K = self.cache, cols.shape[0], cols.shape[1]
+            row_ids, steps = torch.arange(B, device=cols.device)[:, None], torch.arange(K, device=cols.device)
+            dst = torch.where(steps < counts[:, None], c.lengths[:B, None] + steps, c.S - 1)
+            c.tokens[row_ids, dst] = self.seg_tokens.gather(1, cols.clamp_min(0))
+            c.lengths[:B].add_(counts)
         self.segment = 0
 
     def select(self, keep: list[int]) -> None:
-        index = torch.tensor(keep, device=self.lengths.device)
-        self.k, self.v, self.pre, self.tokens = self.k[index], self.v[index], self.pre[index], self.tokens[index]
-        self.lengths, self.rows, self.fed = self.lengths[index], self.rows[index], self.fed[index]
+        """Move the kept rows to the front of the head's cache, in place (its CUDA graphs hold the addresses)."""
+        moved = [i for i, src in enumerate(keep) if i != src]  # keeping a prefix moves nothing
+        if moved:
+            dev = self.cache.lengths.device
+            dst, src = torch.tensor(moved, device=dev), torch.tensor([keep[i] for i in moved], device=dev)
+            for t in self.cache.buffers():
+                t[dst] = t[src]  # the right side is gathered first: overlapping moves are safe
+        self.B = len(keep)
 
 
 def eagle3_states(

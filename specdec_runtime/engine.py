@@ -114,14 +114,13 @@ def _draw(logits: torch.Tensor, dec: Decoding) -> tuple[torch.Tensor, torch.Tens
 def draft_chain(dec: Decoding, feed: Feed, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft gamma tokens per row after feeding its pending tokens -> x (B, G) and proposal probs q (B, G, V)."""
     logits = dec.draft.extend(feed.draft_tokens, feed.draft_counts, last_only=True, new_rows=feed.draft_rows)[:, -1]
-    ones = torch.ones_like(feed.draft_counts)
     xs, qs = [], []
     for k in range(gamma):
         x, q = _draw(logits, dec)
         xs.append(x)
         qs.append(q)
         if k + 1 < gamma:  # no forward for the last draft: if the target accepts it, the next step feeds it
-            logits = dec.draft.extend(x[:, None], ones, last_only=True, new_rows=1)[:, -1]
+            logits = dec.draft.draft_step(x)
     return torch.stack(xs, 1), torch.stack(qs, 1)
 
 

@@ -5,6 +5,8 @@ The engine talks to a model only through a state object with these methods:
       counts[b] columns (holes on the left), at the positions that follow the row's cached tokens; new_rows, for a
       draft whose rows lag its tokens (the EAGLE-3 head's, eagle3_state.py), is the most rows any batch row computes
       in the call, which the engine knows on the host; the other states ignore it (their rows are the tokens);
+  draft_step(x (B,)) -> logits (B, V): a chain's drafting step, each row fed its drafted token (an extend of one
+      token with new_rows 1; the EAGLE-3 head's replays as one CUDA graph, eagle3_state.HeadCache);
   rollback(drop (B,)): forget each row's last drop[b] real tokens;
   tree_forward(tokens (B, T), positions (B, T), seen (B, T, W + T)) -> logits (B, T, V): token-tree nodes appended to
       an uncommitted segment of W columns after the row's real tokens; each sees those real tokens and the segment
@@ -89,6 +91,10 @@ class HFState:
         self.mask = torch.cat([self.mask, valid], 1)  # (B, S + T)
         self.lengths = self.lengths + counts
         return hf_forward(self.model, self.cache, tokens, positions, self.mask.long(), int(last_only))
+
+    def draft_step(self, x: torch.Tensor) -> torch.Tensor:
+        """The chain's drafting step: feed each row its drafted token x (B,) -> next draft logits (B, V)."""
+        return self.extend(x[:, None], torch.ones_like(x), last_only=True, new_rows=1)[:, -1]
 
     def rollback(self, drop: torch.Tensor) -> None:
         self.mask = drop_last_real(self.mask, drop)

@@ -372,6 +372,10 @@ class StaticState:
         # a CUDA graph's logits buffer is overwritten by the next replay; eager CPU logits are fresh: no copy
         return (logits[:, -1:] if last_only else logits).to(torch.float32, copy=not self.model.cpu_fast)
 
+    def draft_step(self, x: torch.Tensor) -> torch.Tensor:
+        """The chain's drafting step: feed each row its drafted token x (B,) -> next draft logits (B, V)."""
+        return self.extend(x[:, None], torch.ones_like(x), last_only=True, new_rows=1)[:, -1]
+
     def rollback(self, drop: torch.Tensor) -> None:
         self.lengths = self.lengths - drop
 

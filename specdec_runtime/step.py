@@ -34,6 +34,10 @@ class TimedState:
         with self.timer.span(self.phase):
             return self.state.extend(tokens, counts, last_only, new_rows)
 
+    def draft_step(self, x: torch.Tensor) -> torch.Tensor:
+        with self.timer.span(self.phase):
+            return self.state.draft_step(x)
+
     def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         with self.timer.span(self.phase):
             return self.state.tree_forward(tokens, positions, seen)

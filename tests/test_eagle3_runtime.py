@@ -19,6 +19,7 @@ from helpers.syncs import count_host_syncs
 import specdec_runtime.eagle3_state as eagle3_state
 import specdec_runtime.engine as engine
 import specdec_runtime.tree_step as tree_step
+from specdec_runtime.ab import capture_graphs
 from specdec_runtime.backends import fast_model
 from specdec_runtime.bench import format_bench_table, run_bench
 from specdec_runtime.cpu import FusedLinear, compile_steps, cpu_eagle3, cpu_model, draft_dtype
@@ -172,9 +173,10 @@ def test_a_broken_draft_state_is_caught(pair, monkeypatch, bug):
     else:
 
         def keep_own_rows(self, drop):  # crop to the engine's length only, keeping rows fed the head's own states
-            self.lengths = self.lengths - drop
-            self.rows = torch.minimum(self.rows, (self.lengths - 1).clamp_min(0))
-            self.fed = torch.minimum(self.fed, self.rows)
+            c, B = self.cache, self.B
+            c.lengths[:B].sub_(drop)
+            c.rows[:B].copy_(torch.minimum(c.rows[:B], (c.lengths[:B] - 1).clamp_min(0)))
+            c.fed[:B].copy_(torch.minimum(c.fed[:B], c.rows[:B]))
 
         monkeypatch.setattr(eagle3_state.Eagle3State, "rollback", keep_own_rows)
     steps = record_chains(monkeypatch)
@@ -292,12 +294,92 @@ def test_the_head_reads_nothing_back_from_the_device(pair, monkeypatch):
     target, draft = pair
     monkeypatch.setattr(eagle3_state, "reads_are_free", lambda device: False)
     # reads only: HF's rotary embedding moves its frequencies to the input's device, where they already are
-    syncs = count_host_syncs(monkeypatch, eagle3_state.Eagle3State, ("extend", "tree_forward"), moves=False)
+    syncs = count_host_syncs(
+        monkeypatch, eagle3_state.Eagle3State, ("extend", "draft_step", "tree_forward"), moves=False
+    )
     want = hf_greedy(target, LLAMA_PROMPTS, 20)
     for tree in (None, "2,2,1", "dynamic:6"):
         got = generate(Llama.from_hf(target), draft, LLAMA_PROMPTS, num_draft_tokens=4, max_new_tokens=20, tree=tree)
         assert got.tokens == want, tree
     assert not syncs, syncs
+
+
+def emulated_graphs(monkeypatch) -> list[int]:
+    """The head's drafting-step graphs on the CPU: `_record` warms the step up as on CUDA and returns an output
+    buffer that each replay overwrites by running the step again on the same input tensors -> the rows of each
+    capture, appended as they happen. What it cannot show is a graph's frozen addresses: the test checks that no
+    buffer is reallocated instead."""
+    captures = []
+
+    def record(self, step, reset):
+        for _ in range(2):
+            reset()
+            step()
+        reset()
+        out = step()  # stands in for the capture, which records the kernels without running them
+        captures.append(out.shape[0])
+        return (lambda: out.copy_(step())), out
+
+    monkeypatch.setattr(eagle3_state.HeadCache, "graphed", lambda self: self.draft.use_graphs)
+    monkeypatch.setattr(eagle3_state.HeadCache, "_record", record)
+    return captures
+
+
+@pytest.mark.parametrize("bug", [None, "capture_not_put_back"])
+def test_the_drafting_step_graph_replays_the_eager_step(pair, monkeypatch, bug):
+    """Issue 22: the head's drafting step replays as one CUDA graph per power-of-two row count. Every proposal equals
+    the eager step's, whether the graph is captured inside a call (mid-state: the warm-up must leave the live rows
+    as they were) or before it by `ab.capture_graphs`, with a padding row (3 rows replay the 4-row graph) and rows
+    leaving the batch; a later call replays the graphs of an earlier one on the same buffers. The broken twin leaves
+    the warm-up's bookkeeping behind after a capture, and the same checks reject it."""
+    target, draft = pair
+    monkeypatch.setattr(draft, "head_cache", None)  # the module's head: start and end without a cache of this test
+    monkeypatch.setattr(draft, "use_graphs", False)
+    captures = emulated_graphs(monkeypatch)
+    if bug == "capture_not_put_back":
+        capture = eagle3_state.HeadCache._capture
+
+        def forgetful(self, rows):
+            out = capture(self, rows)
+            for t in self.bookkeeping():
+                t[:rows] = 0  # what the warm-up's padding rows leave
+            return out
+
+        monkeypatch.setattr(eagle3_state.HeadCache, "_capture", forgetful)
+    fast = Llama.from_hf(target)
+    prompts = [*LLAMA_PROMPTS[:2], [9, 4, 4, 30, 12]]  # 3 rows: graph rows 4 of a 6-row cache, one padding row
+    stop = hf_greedy(target, prompts, 20)[0][5]  # prompt 0 stops mid-run: the batch shrinks to 2 rows
+    drafted = []
+    draw = engine._draw
+
+    def recorded(logits, dec):
+        x, q = draw(logits, dec)
+        drafted.append(x)
+        return x, q
+
+    monkeypatch.setattr(engine, "_draw", recorded)
+
+    def proposals(graphs: bool) -> list[list[int]]:
+        draft.use_graphs = graphs
+        drafted.clear()
+        got = generate(fast, draft, prompts, num_draft_tokens=4, max_new_tokens=20, stop_token_ids=(stop,))
+        assert got.tokens == hf_greedy(target, prompts, 20, eos=stop)
+        return [x.tolist() for x in drafted]
+
+    generate(fast, draft, prompts * 2, num_draft_tokens=4, max_new_tokens=20)  # a 6-row cache, kept for the calls
+    cache = draft.head_cache
+    addresses = [t.data_ptr() for t in cache.buffers()]
+    want = proposals(False)
+    assert not captures
+    checks = []
+    checks.append(proposals(True) == want)  # captured inside the call: 4 rows, then 2 rows as the batch shrinks
+    checks.append(captures == [4, 2])
+    capture_graphs(fast, draft, batch_size=6, gamma=4)  # every row count a 6-row call can replay
+    checks.append(sorted(cache.graphs) == [1, 2, 4, 6] and captures == [4, 2, 1, 6])
+    checks.append(proposals(True) == want)  # replays only
+    checks.append(captures == [4, 2, 1, 6])
+    assert draft.head_cache is cache and [t.data_ptr() for t in cache.buffers()] == addresses
+    assert all(checks) == (bug is None), checks
 
 
 # ---------------------------------------------------------------------------------------- distribution at T > 0
@@ -384,17 +466,19 @@ def bf16_head_pair(device: str):
 )
 def test_a_bf16_head_on_the_bf16_compact_target_is_greedy_exact(device, graphs):
     """With CUDA graphs, the graphs bake the aux copies in (captured after the hooks: the target-only run before
-    captures them without), and a second call replays them; without, the hooks live and die with each call."""
+    captures them without), and a second call replays them; without, the hooks live and die with each call. The
+    head's drafting step runs as its own graph exactly when graphs are on."""
     target, draft = bf16_head_pair(device)
     assert draft.aux_layers(6) == [2, 3, 3] and draft.compute_dtype == torch.bfloat16
     fast = Llama.from_hf(target, dtype=torch.bfloat16)
-    fast.use_graphs = graphs
+    fast.use_graphs = draft.use_graphs = graphs
     want = generate(fast, None, LLAMA_PROMPTS, max_new_tokens=24).tokens  # target-only decoding, graphs without hooks
     for tree in (None, None, "2,2,1", "dynamic:6"):
         got = generate(fast, draft, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=24, tree=tree)
         assert_same_up_to_ties(target, LLAMA_PROMPTS, got.tokens, want, f"eagle3 tree={tree}")
     assert bool(fast.graphs) == graphs, "the decode steps ran as CUDA graphs exactly when they were on"
     assert (fast.eagle3_capture is not None) == graphs, "the aux capture outlives a call only for the graphs"
+    assert bool(draft.head_cache.graphs) == graphs, "the head's drafting step ran as a CUDA graph when they were on"
 
 
 # ------------------------------------------------------------------------------------------ loading and bench

@@ -123,7 +123,8 @@ def test_a_greedy_row_parting_off_a_tie_fails_the_bench(gpu_bench):
 
 def good_row(**changes) -> dict:
     row = {"speedup": 1.5, "speedup_ci": [1.4, 1.6], "acceptance_rate": 0.95, "efficiency": 0.97}
-    return row | {"greedy_partings": [], "captures_in_timed_calls": [], "target_graphs_copy_aux": True} | changes
+    checked = {"greedy_partings": [], "captures_in_timed_calls": [], "target_graphs_copy_aux": True, "head_graphs": [1]}
+    return row | checked | changes
 
 
 @pytest.mark.parametrize(
@@ -137,6 +138,7 @@ def good_row(**changes) -> dict:
         ("self_draft", good_row(acceptance_rate=0.5), False, "accepted 0.500"),
         ("self_draft", good_row(efficiency=1.3), True, "measurement bug"),
         ("eagle3", good_row(target_graphs_copy_aux=False), True, "aux-state copies"),
+        ("eagle3", good_row(head_graphs=[]), True, "drafting step did not run as a CUDA graph"),
         ("eagle3", {"error": "Traceback ...\nValueError: EAGLE-3 takes exactly 3 aux layers\n"}, False, "raised"),
     ],
 )
