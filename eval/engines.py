@@ -6,21 +6,25 @@ express and which engine version the snippet assumes.
 
     setting = ServingSetting("runs/quickstart/export/eagle3", 4, kind="eagle3", aux_layers=(2, 15, 27))
     engine_snippets(setting)["trtllm"]      # {"speculative_config": {..., "eagle3_layers_to_capture": [1, 14, 26]}}
-    engine_notes(setting)["sglang"]         # ["needs: SGLang with --speculative-algorithm EAGLE3 ...", ...]
+    engine_notes(setting)["sglang"]         # ["needs: SGLang >= 0.4.9 for `--speculative-algorithm EAGLE3` ...", ...]
 
 The kind picks each engine's method: standalone = vLLM `draft_model`, SGLang `STANDALONE`, TensorRT-LLM
 `DraftTarget`; eagle3 = vLLM `eagle3`, SGLang `EAGLE3` (`EAGLE` would load the head without its fc and serve a
 useless draft), TensorRT-LLM `Eagle3` (shared/EAGLE3.md).
 
-Engine facts, read from the engines' main branches (2026-08) unless a release is named:
+Engine facts, read in the newest releases on PyPI (vLLM 0.33.0, SGLang 0.5.23, 2026-11) unless said otherwise; the
+release that first has each is in `FLOORS`:
 - vLLM `SpeculativeConfig` (vllm/config/speculative.py): `draft_sample_method: greedy | probabilistic` ("greedy"
   treats the draft as one-hot in rejection sampling, our `greedy` rule; "probabilistic" samples drafts from q, our
   `sample` rule); `num_speculative_tokens_per_batch_size` ([lo, hi, K] entries, inclusive).
-- TensorRT-LLM `DecodingBaseConfig` / `Eagle3DecodingConfig` (tensorrt_llm/llmapi/llm_args.py): `max_concurrency`
-  (speculation off above it, PyTorch backend only; mutually exclusive with `draft_len_schedule`, into which it is
-  translated), `eagle3_layers_to_capture` (layer outputs: our HF ids minus 1; default {1, L//2-1, L-4}), which it
-  never reads from the head's config.json.
-- SGLang drafts the topk-1 chain by argmax: it has no sampled-draft option to express `sample`.
+- TensorRT-LLM `DecodingBaseConfig` / `Eagle3DecodingConfig` (tensorrt_llm/llmapi/llm_args.py, read from its main
+  branch, 2026-08; its 1.4.0rc4 API reference still lists both fields): `max_concurrency` (speculation off above it,
+  PyTorch backend only; mutually exclusive with `draft_len_schedule`, into which it is translated),
+  `eagle3_layers_to_capture` (layer outputs: our HF ids minus 1; default {1, L//2-1, L-4}), which it never reads
+  from the head's config.json.
+- SGLang drafts the topk-1 chain by argmax. Its `--speculative-use-rejection-sampling` (0.5.14 on) samples EAGLE /
+  EAGLE3 drafts only and refuses a draft vocabulary smaller than the target's, which our heads have by default: not
+  written, so `sample` is served greedily there.
 """
 
 from __future__ import annotations
@@ -35,23 +39,26 @@ METHODS = {"standalone": ("draft_model", "STANDALONE", "DraftTarget"), "eagle3":
 ENGINES = ("vllm", "sglang", "trtllm")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 
-# What each snippet assumes of its engine. A release number is given where one was verified; otherwise the feature
-# and where it was read, since its first release was not verified here (docs/eval-and-serving.md, "Engine versions").
+# What each snippet assumes of its engine: the first release with each feature, found in the released packages
+# (docs/eval-and-serving.md, "Engine versions"). TensorRT-LLM publishes no code on PyPI, so its releases are not
+# verified: its entries name the feature and the PR that added it.
 FLOORS = {
-    ("vllm", "standalone"): "vLLM newer than 0.13.0 with V1 draft models (`method: draft_model`; 0.13.0 refuses it)",
-    ("vllm", "eagle3"): "vLLM V1 with `method: eagle3` reading eagle_aux_hidden_state_layer_ids from the head's "
-    "config.json",
-    ("vllm", "cap"): "`num_speculative_tokens_per_batch_size` (vLLM's dynamic speculative decoding; "
-    "`disable_by_batch_size` is gone)",
-    ("vllm", "sample"): "`draft_sample_method: probabilistic` (read from vLLM main; earlier 2026 releases spelled it "
-    "`rejection_sample_method: probabilistic` and used draft-model probabilities only after vLLM PR #40269: which "
-    "release renamed it was not verified)",
-    ("sglang", "standalone"): "SGLang with `--speculative-algorithm STANDALONE`",
-    ("sglang", "eagle3"): "SGLang with `--speculative-algorithm EAGLE3` reading eagle_config."
+    ("vllm", "standalone"): "vLLM >= 0.15.0 for V1 draft models (`method: draft_model`, PR #24322; 0.14.1 refuses it)",
+    ("vllm", "eagle3"): "vLLM >= 0.11.1 for V1 `method: eagle3` reading eagle_aux_hidden_state_layer_ids from the "
+    "head's config.json (PR #25961)",
+    ("vllm", "cap"): "vLLM >= 0.24.0 for `num_speculative_tokens_per_batch_size` (its dynamic speculative decoding; "
+    "`disable_by_batch_size` is gone since 0.17.0)",
+    ("vllm", "sample"): "vLLM >= 0.22.0 for `draft_sample_method: probabilistic` with the draft's probabilities in "
+    "rejection sampling (PR #40269); 0.18.0-0.20.2 spelled it `rejection_sample_method: probabilistic`, read by "
+    "Model Runner V2 only, and no release since accepts that spelling",
+    ("sglang", "standalone"): "SGLang >= 0.5.2 for `--speculative-algorithm STANDALONE` (PR #10090)",
+    ("sglang", "eagle3"): "SGLang >= 0.4.9 for `--speculative-algorithm EAGLE3` reading eagle_config."
     "eagle_aux_hidden_state_layer_ids from the head's config.json",
-    ("trtllm", "standalone"): "TensorRT-LLM PyTorch backend with DraftTargetDecodingConfig",
-    ("trtllm", "eagle3"): "TensorRT-LLM PyTorch backend with Eagle3DecodingConfig.eagle3_layers_to_capture",
-    ("trtllm", "cap"): "`max_concurrency` on the speculative config (PyTorch backend only)",
+    ("trtllm", "standalone"): "TensorRT-LLM PyTorch backend with DraftTargetDecodingConfig and `speculative_model` "
+    "(PR #10099; older releases: `speculative_model_dir`), release not verified",
+    ("trtllm", "eagle3"): "TensorRT-LLM PyTorch backend with Eagle3DecodingConfig.eagle3_layers_to_capture and "
+    "`speculative_model` (PR #10099; older releases: `speculative_model_dir`), release not verified",
+    ("trtllm", "cap"): "`max_concurrency` on the speculative config (PyTorch backend only; release not verified)",
 }
 
 

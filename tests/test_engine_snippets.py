@@ -51,7 +51,7 @@ def test_vllm_reads_the_aux_layers_from_config_json_and_samples_drafts(promoted)
     assert serving["engines"]["vllm"]["speculative_config"] == want
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # what vLLM reads: layer inputs
     needs = comment_above(text, "vllm")
-    assert needs.startswith("needs: vLLM V1 with `method: eagle3`") and "draft_sample_method" in needs
+    assert needs.startswith("needs: vLLM >= 0.11.1 for V1 `method: eagle3`") and "draft_sample_method" in needs
     (line,) = [x for x in card.splitlines() if x.startswith("vllm serve ")]
     assert json.loads(line.split("--speculative-config ")[1].strip("'")) == want
 
@@ -65,7 +65,7 @@ def test_sglang_reads_the_aux_layers_minus_one_and_says_it_drafts_greedily(promo
     }  # fmt: skip
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}  # captured after layer i
     notes = comment_above(text, "sglang")
-    assert notes.startswith("needs: SGLang with `--speculative-algorithm EAGLE3`")
+    assert notes.startswith("needs: SGLang >= 0.4.9 for `--speculative-algorithm EAGLE3`")
     assert "drafts greedily" in notes and "above batch size 4" in notes  # the rule and the cap it cannot express
     reason = serving["speculative"]["reason"]
     assert reason.startswith("both gates passed") and "SGLang and TensorRT-LLM draft greedily" in reason
@@ -111,7 +111,7 @@ def test_a_capped_standalone_draft_notes_where_vllms_schedule_is_untested():
     from eval.engines import ServingSetting, engine_notes
 
     notes = engine_notes(ServingSetting("/d", 4, concurrency_limit=8))["vllm"]
-    assert notes[0].startswith("needs: vLLM newer than 0.13.0") and "num_speculative_tokens_per_batch_size" in notes[0]
+    assert notes[0].startswith("needs: vLLM >= 0.15.0") and "num_speculative_tokens_per_batch_size" in notes[0]
     assert "tested with EAGLE / EAGLE-3 / DFlash only" in notes[1] and "data parallelism > 1" in notes[1]
     assert (
         len(engine_notes(ServingSetting("/d", 4, kind="eagle3", aux_layers=(2, 4, 5), concurrency_limit=8))["vllm"])

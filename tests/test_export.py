@@ -322,7 +322,7 @@ def test_promote_exports_and_points_serving_at_the_export(tmp_path):
     assert (export / "model.safetensors").is_file()
     card = (export / "README.md").read_text()
     assert f"--speculative-draft-model-path {export} --speculative-num-steps 4" in card
-    assert "- needs: vLLM newer than 0.13.0" in card  # the notes under each engine, as serving.yaml's comments
+    assert "- needs: vLLM >= 0.15.0" in card  # the notes under each engine, as serving.yaml's comments
 
 
 @PEFT_WARNING

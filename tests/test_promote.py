@@ -153,11 +153,11 @@ def test_promote_writes_the_serving_contract(tmp_path):
     }
     text = serving.read_text()  # each engine's version floor, as a comment above its settings
     assert (
-        "  # needs: vLLM newer than 0.13.0 with V1 draft models (`method: draft_model`; 0.13.0 refuses it)\n  vllm:"
+        "  # needs: vLLM >= 0.15.0 for V1 draft models (`method: draft_model`, PR #24322; 0.14.1 refuses it)\n  vllm:"
         in text
     )
-    assert "  # needs: SGLang with `--speculative-algorithm STANDALONE`\n  sglang:" in text
-    assert "  # needs: TensorRT-LLM PyTorch backend with DraftTargetDecodingConfig\n  trtllm:" in text
+    assert "  # needs: SGLang >= 0.5.2 for `--speculative-algorithm STANDALONE` (PR #10090)\n  sglang:" in text
+    assert "  # needs: TensorRT-LLM PyTorch backend with DraftTargetDecodingConfig and `speculative_model`" in text
     (entry,) = cfg["history"]
     assert entry["draft"] == draft and entry["replaced"] is None and entry["measured"] == spec["measured"]
     assert entry["promoted_at"].endswith("Z")
