@@ -23,6 +23,7 @@ import torch
 
 from .eagle3 import Eagle3Draft
 from .llama import Llama
+from .lookup import NgramDraft, SuffixDraft
 from .metrics import GenerationStats, analytic_speedup, cost_ratios, merge_stats
 from .tree import DynamicTreeShape, Tree, parse_tree, tree_size
 
@@ -117,6 +118,8 @@ def capture_graphs(target, draft, *, batch_size: int, gamma: int, tree: str | Tr
     instead); an EAGLE-3 head on CUDA has one graph, its drafting step, per row count (`eagle3_state.HeadCache`);
     anything else (the eager CPU fast path, HF models) is left as is."""
     target_widths, draft_widths = graph_widths(gamma, tree)
+    if isinstance(draft, NgramDraft | SuffixDraft):  # a lookup verifies its batch's longest proposal: 0..gamma drafts
+        target_widths = set(range(1, gamma + 2))
     for model, widths in ((target, target_widths), (draft, draft_widths)):
         if isinstance(model, Llama):
             model.capture_graphs(widths | set(model.graphs), batch_size)

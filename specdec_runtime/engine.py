@@ -22,7 +22,9 @@ loop and the stats.
     generate(target, draft, [[1, 2, 3]], tree="dynamic:16")     # EAGLE-2 dynamic tree of 16 nodes
 
 An EAGLE-3 head (`eagle3.Eagle3Draft`) drafts through the same steps: `_states` pairs it with the target's state
-(eagle3_state.py), which hands over the target's aux hidden states of every verified token.
+(eagle3_state.py), which hands over the target's aux hidden states of every verified token. A zero-training draft
+(`lookup.NgramDraft`, `lookup.SuffixDraft`) proposes from tokens alone, a chain of its own length per row
+(`lookup.lookup_step`).
 """
 
 import time
@@ -38,6 +40,7 @@ from .eagle3_state import eagle3_states
 from .errors import UserError
 from .kv import make_state
 from .llama import Llama
+from .lookup import NgramDraft, SuffixDraft, lookup_state, lookup_step
 from .metrics import GenerationStats, Phases, PhaseTimer, RequestStats
 from .sampling import DraftRule, SamplingParams, sample, verify, warp_logits
 from .step import Decoding, Feed, State, TimedState, Verdict
@@ -62,7 +65,7 @@ class GenerationResult:
 
 def validate_request(
     target: torch.nn.Module,
-    draft: torch.nn.Module | None,
+    draft: torch.nn.Module | NgramDraft | SuffixDraft | None,
     prompts: Sequence[Sequence[int]],
     num_draft_tokens: int,
     draft_rule: str,
@@ -78,7 +81,8 @@ def validate_request(
         raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens}); ask for at least one new token")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (got an empty prompt or no prompts); drop empty ones")
-    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+    lookup = isinstance(draft, NgramDraft | SuffixDraft)
+    if draft is not None and not lookup and draft.config.vocab_size != target.config.vocab_size:
         raise UserError(
             f"target and draft logits differ in width ({target.config.vocab_size} vs {draft.config.vocab_size}); "
             "speculative decoding needs a draft that shares the target's vocabulary"
@@ -89,7 +93,7 @@ def validate_request(
             "build the draft with its own Llama.from_hf(...) call"
         )
     gamma = num_draft_tokens if draft is not None else 0
-    models = (target,) if draft is None else (target, draft)
+    models = (target,) if draft is None or lookup else (target, draft)
     window = min(m.config.max_position_embeddings for m in models)
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens + gamma > window:
@@ -191,12 +195,13 @@ class _Output:
     counts: torch.Tensor  # (prompts,) tokens kept
     steps: torch.Tensor  # (prompts,) verify steps taken
     accepted: torch.Tensor  # (prompts,) accepted draft tokens
+    drafted: torch.Tensor  # (prompts,) draft tokens proposed
     reached: torch.Tensor  # (prompts, G) steps in which draft position i was judged
     hits: torch.Tensor  # (prompts, G) steps in which draft position i was accepted
 
     @classmethod
     def empty(cls, prompts: int, G: int, max_new_tokens: int, device: torch.device) -> "_Output":
-        shapes = ((prompts, max_new_tokens + G + 1), (prompts,), (prompts,), (prompts,), (prompts, G), (prompts, G))
+        shapes = ((prompts, max_new_tokens + G + 1), *[(prompts,)] * 4, (prompts, G), (prompts, G))
         return cls(*(torch.zeros(shape, dtype=torch.long, device=device) for shape in shapes))
 
     def write(self, rows: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
@@ -205,12 +210,15 @@ class _Output:
         self.tokens[rows[:, None], cols] = tokens
         self.counts[rows] += count
 
-    def tally(self, rows: torch.Tensor, n: torch.Tensor) -> None:
-        """Count one verify step of the prompts `rows` (B,) that accepted n (B,) drafts."""
+    def tally(self, rows: torch.Tensor, n: torch.Tensor, drafted: torch.Tensor | int) -> None:
+        """Count one verify step of the prompts `rows` (B,) that proposed `drafted` (B,) or (all rows) draft tokens
+        and accepted n (B,); a position past a row's proposal was never judged."""
         idx = torch.arange(self.reached.shape[1], device=n.device)
+        drafted = torch.as_tensor(drafted, device=n.device).expand_as(n)
         self.steps[rows] += 1
         self.accepted[rows] += n
-        self.reached[rows] += (idx <= n[:, None]).long()
+        self.drafted[rows] += drafted
+        self.reached[rows] += ((idx <= n[:, None]) & (idx < drafted[:, None])).long()
         self.hits[rows] += (idx < n[:, None]).long()
 
 
@@ -225,17 +233,22 @@ def _leave(dec: Decoding, feed: Feed, ids: list[int], done: list[bool]) -> tuple
     return feed, [ids[i] for i in keep]
 
 
-def _choose_step(plan: TreePlan | None, G: int) -> tuple[Step, int, int]:
+def _choose_step(plan: TreePlan | None, G: int, draft) -> tuple[Step, int, int]:
     """The step the loop runs -> (step, draft tokens it verifies, cache room it needs past the emitted tokens)."""
     if plan is not None:  # the one place the tree path branches off
         return partial(tree_step, plan=plan), plan.nodes, plan.slack
+    if isinstance(draft, NgramDraft | SuffixDraft):
+        return partial(lookup_step, gamma=G), G, G
     # the verify forward caches G drafts past the emitted tokens until the rollback drops the rejected ones
     return partial(chain_step, gamma=G), G, G
 
 
-def _states(target: torch.nn.Module, draft: torch.nn.Module | None, batch_size: int, max_len: int):
+def _states(target: torch.nn.Module, draft, prompts: Sequence[Sequence[int]], max_len: int):
     """The target's and the draft's cache states; an EAGLE-3 head reads the target's aux hidden states, so that pair
-    is built together (eagle3_state.py)."""
+    is built together (eagle3_state.py); a lookup draft's state holds tokens only (lookup.py)."""
+    batch_size = len(prompts)
+    if isinstance(draft, NgramDraft | SuffixDraft):
+        return make_state(target, batch_size, max_len), lookup_state(draft, prompts, max_len, target.device)
     if isinstance(draft, Eagle3Draft):
         return eagle3_states(target, draft, batch_size, max_len)
     draft_state = make_state(draft, batch_size, max_len) if draft is not None else None
@@ -250,7 +263,7 @@ def _timed(dec: Decoding, timer: PhaseTimer) -> Decoding:
 
 def generate(
     target: torch.nn.Module,
-    draft: torch.nn.Module | None,
+    draft: torch.nn.Module | NgramDraft | SuffixDraft | None,
     prompts: Sequence[Sequence[int]],
     *,
     num_draft_tokens: int = 4,
@@ -272,17 +285,17 @@ def generate(
     """
     dev = target.device
     plan = plan_tree(tree, dev) if tree is not None else None
-    if plan is not None and draft is None:
-        raise ValueError("a token tree needs a draft model to propose it; pass draft=... or tree=None")
+    if plan is not None and (draft is None or isinstance(draft, NgramDraft | SuffixDraft)):
+        raise ValueError("a token tree needs a draft model to propose it; pass a draft model or tree=None")
     gamma = plan.depth if plan is not None else num_draft_tokens
     validate_request(target, draft, prompts, gamma, draft_rule, max_new_tokens)
     G = gamma if draft is not None else 0  # draft forwards per step after the first; 0: target-only decoding
-    step, nodes, slack = _choose_step(plan, G)
+    step, nodes, slack = _choose_step(plan, G, draft)
     num_prompts, wall, timer = len(prompts), clock or time.perf_counter, PhaseTimer(clock, dev)
     with torch.no_grad():
         start = wall()
         max_len = max(len(p) for p in prompts) + max_new_tokens + slack
-        dec = Decoding(*_states(target, draft, num_prompts, max_len), sampling, draft_rule, generator)
+        dec = Decoding(*_states(target, draft, prompts, max_len), sampling, draft_rule, generator)
         stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
         out = _Output.empty(num_prompts, G, max_new_tokens, dev)
         with timer.span("prefill"):
@@ -304,7 +317,7 @@ def generate(
                 room = max_new_tokens - out.counts[rows]
                 tokens, count, stopped = _emit(verdict, stop_ids, room)  # (B, G+1), (B,), (B,)
                 out.write(rows, tokens, count)
-                out.tally(rows, verdict.n)
+                out.tally(rows, verdict.n, verdict.drafted if verdict.drafted is not None else nodes)
                 flags = torch.stack([stopped | (count >= room), feed.draft_counts == 2, verdict.n])
                 finished, two, accepted = flags.tolist()  # the step's one host sync
                 now = wall()
@@ -319,7 +332,8 @@ def generate(
 
     lengths = out.counts.tolist()
     timing = [(ttft_s, done_s, dec_s) for done_s, dec_s in zip(finished_s, decode_s)]
-    stats = _stats(out, lengths, timing, wall_s, timer.phases(), gamma=G, nodes=nodes, has_draft=draft is not None)
+    forwards = isinstance(draft, torch.nn.Module)  # a lookup draft runs no forward
+    stats = _stats(out, lengths, timing, wall_s, timer.phases(), gamma=G, has_draft=forwards)
     return GenerationResult(tokens=[row[:k] for row, k in zip(out.tokens.tolist(), lengths)], stats=stats)
 
 
@@ -331,21 +345,22 @@ def _stats(
     phases: Phases,
     *,
     gamma: int,
-    nodes: int,
     has_draft: bool,
 ) -> GenerationStats:
     """Device counters -> per-request stats; batched forward counts follow from the longest-running row.
 
-    Every request takes part in the prefill (one forward of each model); then a step drafts `nodes` tokens (gamma for
-    a chain, the tree's nodes) in gamma draft forwards (the pending tokens, then one per drafted token or level but
-    the last). timing: per request (ttft_s, wall_s, decode_s).
+    Every request takes part in the prefill (one forward of each model); then a step drafts the tokens `out.drafted`
+    counts (gamma for a chain, the tree's nodes, a lookup's own number per row) in gamma draft forwards (the pending
+    tokens, then one per drafted token or level but the last; none for a lookup). timing: per request (ttft_s,
+    wall_s, decode_s).
     """
-    columns = zip(out.steps.tolist(), out.accepted.tolist(), out.reached.tolist(), out.hits.tolist())
+    counters = (out.steps, out.accepted, out.drafted, out.reached, out.hits)
+    columns = zip(*(c.tolist() for c in counters))
     requests = [
         RequestStats(
             new_tokens=length,
             verify_steps=s,
-            drafted=s * nodes,
+            drafted=d,
             accepted=a,
             position_reached=r,
             position_accepted=h,
@@ -355,7 +370,7 @@ def _stats(
             wall_s=done,
             decode_s=decode,
         )
-        for (s, a, r, h), length, (ttft, done, decode) in zip(columns, lengths, timing)
+        for (s, a, d, r, h), length, (ttft, done, decode) in zip(columns, lengths, timing)
     ]
     steps = max(r.verify_steps for r in requests)
     return GenerationStats(

@@ -94,13 +94,20 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None, greedy: bool 
 
 
 def verify(
-    p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, generator: torch.Generator | None, greedy: bool = False
+    p: torch.Tensor,
+    q: torch.Tensor,
+    x: torch.Tensor,
+    generator: torch.Generator | None,
+    greedy: bool = False,
+    limit: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative accept/reject for a batch (Leviathan et al. 2023, Chen et al. 2023), vectorised over gamma.
 
     p: (B, G+1, V) target probs at the G draft positions and the bonus position.
     q: (B, G, V) draft proposal probs (one-hot of x for draft_rule=greedy, which makes the residual p with x zeroed).
     x: (B, G) drafted tokens. G may be 0 (target-only decoding: sample straight from p).
+    limit: (B,) drafts each row proposed (a lookup draft's, `lookup.py`): x[b, limit[b]:] is padding, never
+        accepted, and q must be 0 there, so the token at a row's limit is drawn from p as at the bonus position.
     Returns n (B,) leading accepted draft tokens and the next token (B,): from norm(max(0, p - q)) at the first
     rejection, or from p at the bonus position when all G are accepted.
     """
@@ -111,6 +118,8 @@ def verify(
     q_x = q.gather(-1, x[..., None])[..., 0]  # (B, G)
     u = torch.rand(B, G, device=p.device, generator=generator)
     accept = u * q_x < p_x  # u < p/q without dividing by q
+    if limit is not None:
+        accept &= torch.arange(G, device=p.device) < limit[:, None]
     n = accept.long().cumprod(1).sum(1)  # (B,)
     at_n = n[:, None, None].expand(B, 1, p.shape[-1])
     p_n = p.gather(1, at_n)[:, 0]  # (B, V)

@@ -38,6 +38,10 @@ class TimedState:
         with self.timer.span(self.phase):
             return self.state.draft_step(x)
 
+    def propose(self, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.timer.span(self.phase):
+            return self.state.propose(gamma)
+
     def tree_forward(self, tokens: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         with self.timer.span(self.phase):
             return self.state.tree_forward(tokens, positions, seen)
@@ -79,6 +83,8 @@ class Verdict:
     """(B,) the correction (or bonus) token the target emits after them."""
     refeed: torch.Tensor
     """(B,) the last accepted draft is missing from the draft's cache, so it is fed again before nxt."""
+    drafted: torch.Tensor | None = None
+    """(B,) tokens each row proposed, where rows propose different numbers (a lookup draft); None: the step's all."""
 
 
 @dataclass
@@ -113,6 +119,8 @@ class Feed:
         nxt, B = verdict.nxt, verdict.nxt.shape[0]
         if not drafting:
             return replace(self, target=nxt)
+        if not verdict.x.shape[1]:  # a lookup step in which no row proposed: the draft lacks nxt only
+            return replace(self, target=nxt, draft=nxt[:, None].expand(B, 2), draft_counts=torch.ones_like(nxt))
         last = verdict.x.gather(1, (verdict.n - 1).clamp_min(0)[:, None])[:, 0]  # (B,) last accepted draft
         draft = torch.where(verdict.refeed[:, None], torch.stack([last, nxt], 1), nxt[:, None].expand(B, 2))
         return replace(self, target=nxt, draft=draft, draft_counts=1 + verdict.refeed.long())

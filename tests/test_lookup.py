@@ -1,0 +1,237 @@
+"""Zero-training drafts (lookup.py, issue 26): each proposal against a from-scratch reference, greedy identity with
+target-only decoding, the exact distribution at T > 0 with a broken twin the same test rejects, and the suffix
+draft's memory of earlier calls (a repeat of a prompt never looks its own answer up)."""
+
+import random
+
+import pytest
+import torch
+from helpers.models import hf_greedy, tiny_llama
+from helpers.stats import chi_square_pvalue
+
+import specdec_runtime.lookup as lookup
+from specdec_runtime.cpu import cpu_model
+from specdec_runtime.engine import SamplingParams, generate
+from specdec_runtime.errors import UserError
+from specdec_runtime.llama import Llama
+from specdec_runtime.lookup import NgramDraft, NgramState, SuffixDraft, SuffixState, lookup_draft
+from specdec_runtime.sampling import warp_logits
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+REPEATING = [[5, 17, 3, 5, 17, 3, 5, 17], [11], [60, 2, 33, 60, 2], [7] * 9, [1, 2, 3, 4, 1, 2, 3]]
+
+
+def ngram_reference(context: list[int], lo: int, hi: int, k: int) -> list[int]:
+    """vLLM's rule from scratch: the longest suffix of n in [lo, hi] tokens seen earlier, its earliest occurrence,
+    the tokens after it (at most k, up to the context's end)."""
+    L = len(context)
+    for n in range(hi, lo - 1, -1):
+        if L < n:
+            continue
+        for j in range(0, L - n):  # ends before the last token: something follows it
+            if context[j : j + n] == context[L - n :]:
+                return context[j + n : j + n + k]
+    return []
+
+
+def random_contexts(seed: int, rows: int, alphabet: int = 4) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(alphabet) for _ in range(rng.randrange(1, 30))] for _ in range(rows)]
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 1), (1, 3), (2, 4), (3, 3)])
+def test_every_ngram_proposal_matches_the_reference(lo, hi):
+    for seed in range(20):
+        contexts = random_contexts(seed, 6)
+        state = NgramState(NgramDraft(hi, lo), len(contexts), 40, torch.device("cpu"))
+        width = max(map(len, contexts))
+        tokens = torch.tensor([[0] * (width - len(c)) + c for c in contexts])
+        state.extend(tokens, torch.tensor([len(c) for c in contexts]))
+        x, limit = state.propose(5)
+        got = [row[:n] for row, n in zip(x.tolist(), limit.tolist())]
+        assert got == [ngram_reference(c, lo, hi, 5) for c in contexts], seed
+
+
+def suffix_reference(context: list[int], depth: int, factor: float, min_prob: float, k: int) -> list[int]:
+    """Suffix decoding over the context alone, from scratch: the longest suffix (< depth) that occurred earlier with
+    a token after it, then the most frequent next token while the path probability stays >= min_prob."""
+
+    def after(s: list[int]) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for i in range(len(context) - len(s)):
+            if context[i : i + len(s)] == s:
+                counts[context[i + len(s)]] = counts.get(context[i + len(s)], 0) + 1
+        return counts
+
+    for m in range(min(depth - 1, len(context)), 0, -1):  # a continuation of m tokens is a substring of m + 1
+        s = context[len(context) - m :]
+        if after(s):
+            break
+    else:
+        return []
+    out, prob = [], 1.0
+    while len(out) < min(k, int(factor * m)) and len(s) < depth and after(s):
+        counts = after(s)
+        token = max(counts, key=lambda t: (counts[t], -list(counts).index(t)))
+        prob *= counts[token] / sum(counts.values())
+        if prob < min_prob:
+            break
+        out.append(token)
+        s = s + [token]
+    return out
+
+
+@pytest.mark.parametrize("depth,factor,min_prob", [(24, 1.0, 0.1), (3, 2.0, 0.0), (6, 0.5, 0.3)])
+def test_every_suffix_proposal_matches_the_reference(depth, factor, min_prob):
+    """Over the context alone (a fresh draft: no earlier responses); ties between equally frequent next tokens are
+    broken the same way (the first seen), so the alphabet is small enough to make them common."""
+    for seed in range(20):
+        contexts = random_contexts(100 + seed, 6)
+        state = SuffixState(SuffixDraft(depth, factor, min_prob), contexts, torch.device("cpu"))
+        x, limit = state.propose(5)
+        got = [row[:n] for row, n in zip(x.tolist(), limit.tolist())]
+        assert got == [suffix_reference(c, depth, factor, min_prob, 5) for c in contexts], seed
+
+
+def feed(state, *rows: list[int]) -> None:
+    """What the engine feeds a state: ragged rows of new tokens, left-padded."""
+    width = max(map(len, rows))
+    state.extend(torch.tensor([[0] * (width - len(r)) + r for r in rows]), torch.tensor([len(r) for r in rows]))
+
+
+def suffix_call(draft: SuffixDraft, prompts: list[list[int]], *emitted: list[int]) -> SuffixState:
+    """A call's state after its prefill and the emitted tokens of each row."""
+    state = SuffixState(draft, prompts, torch.device("cpu"))
+    feed(state, *prompts)  # the prefill (the prompts are filed when the state is built)
+    if emitted:
+        feed(state, *emitted)
+    return state
+
+
+def test_the_suffix_draft_remembers_other_prompts_and_withholds_a_repeat():
+    """Call 1's response to prompt A is proposed to prompt B, whose context ends like A's response began; a repeat of
+    A itself (in the same call) never proposes its own earlier response; the oldest response leaves past
+    max_cached_requests."""
+    draft = SuffixDraft(max_depth=8, max_spec_factor=2.0, min_token_prob=0.0, max_cached_requests=1)
+    a, b = [40, 41], [50]
+    suffix_call(draft, [a], [1, 2, 3, 4, 5, 6])  # A's response
+    state = suffix_call(draft, [b, a], [1, 2], [9, 1])  # files A's response; withholds it from A's repeat
+    x, limit = state.propose(4)
+    assert x[0, : limit[0]].tolist() == [3, 4, 5, 6]  # ..., 1, 2 -> 3, 4, 5, 6 from A's response
+    assert limit[1] == 0  # A's repeat: its own response is withheld, its context has no earlier 1
+    # files B's response [1, 2], then A's newest [9, 1] replaces its first: one cached request keeps A's newest
+    x, limit = suffix_call(draft, [[7], [8]], [9], [1, 2]).propose(4)
+    assert draft._responses == {tuple(a): [9, 1]}
+    assert x[0, : limit[0]].tolist() == [1] and limit[1] == 0  # 9 -> 1 from A's newest; A's first and B's are gone
+
+
+def test_knobs_are_validated_and_parsed():
+    assert lookup_draft("ngram") == NgramDraft()
+    assert lookup_draft("ngram:max=5,min=1") == NgramDraft(5, 1)
+    assert lookup_draft("suffix:depth=8,factor=2,prob=0.2").knobs() == {
+        "max_depth": 8,
+        "max_spec_factor": 2.0,
+        "min_token_prob": 0.2,
+    }
+    for bad, says in [
+        ("ngram:max=1,min=2", "prompt_lookup_min <= prompt_lookup_max"),
+        ("ngram:size=3", "takes max, min"),
+        ("ngram:max=x", "not a int"),
+        ("lookup", "unknown zero-training draft"),
+        ("suffix:prob=2", "min_token_prob"),
+    ]:
+        with pytest.raises(UserError, match=says):
+            lookup_draft(bad)
+
+
+# ---------------------------------------------------------------------------------------------- greedy identity
+
+
+@pytest.mark.parametrize("spec", ["ngram", "ngram:max=3,min=1", "suffix", "suffix:depth=4,factor=2,prob=0"])
+@pytest.mark.parametrize("backend", ["hf", "compact", "cpu-fast"])
+def test_greedy_output_equals_target_only_greedy(spec, backend):
+    target = tiny_llama(seed=1, layers=2)
+    model = {"hf": lambda: target, "compact": lambda: Llama.from_hf(target), "cpu-fast": lambda: cpu_model(target)}
+    model = model[backend]()
+    draft = lookup_draft(spec)
+    want = hf_greedy(target, REPEATING, 30)
+    stop = want[0][7]
+    want_stop = hf_greedy(target, REPEATING, 30, eos=stop)
+    for stop_ids, expected in (((), want), ((stop,), want_stop), ((), want)):  # the suffix draft's second call too
+        got = generate(model, draft, REPEATING, num_draft_tokens=4, max_new_tokens=30, stop_token_ids=stop_ids)
+        assert got.tokens == expected, stop_ids
+        requests = got.stats.requests
+        assert sum(r.accepted for r in requests) > 0, "these prompts repeat: some proposal is accepted"
+        assert all(r.accepted <= r.drafted <= 4 * r.verify_steps for r in requests)
+        assert got.stats.draft_forwards == 0 and got.stats.phases.draft_s > 0  # no forward; its time is the draft's
+
+
+def test_a_step_where_no_row_proposes_is_a_plain_decode_step():
+    """No prompt repeats a token and the lookup needs 3: every verify forward is one token wide, as target-only."""
+    target = Llama.from_hf(tiny_llama(seed=1, layers=2))
+    widths = []
+    extend = type(target).step
+
+    def recorded(self, tokens, *args):
+        widths.append(tokens.shape[1])
+        return extend(self, tokens, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(target), "step", recorded)
+        got = generate(target, NgramDraft(3, 3), [[1, 2, 3, 4, 5]], num_draft_tokens=4, max_new_tokens=3)
+    assert got.stats.requests[0].drafted == 0 and set(widths) == {1}, widths
+
+
+# ------------------------------------------------------------------------------------------- distribution at T > 0
+
+V6 = 6
+DIST_PROMPTS = {"short": [4, 1, 4], "long": [2, 5, 1, 3, 2, 5]}
+DRAWS = 6000  # per prompt kind
+
+
+def joint3(target, prompt: list[int], sampling: SamplingParams) -> torch.Tensor:
+    """P(y1, y2, y3) of target-only sampling after `prompt` -> (V, V, V), from full forwards."""
+    with torch.no_grad():
+        p1 = warp_logits(target(input_ids=torch.tensor([prompt])).logits[0, -1], sampling)
+        two = torch.tensor([prompt + [a] for a in range(V6)])
+        p2 = warp_logits(target(input_ids=two).logits[:, -1], sampling)  # (V, V)
+        three = torch.tensor([prompt + [a, b] for a in range(V6) for b in range(V6)])
+        p3 = warp_logits(target(input_ids=three).logits[:, -1], sampling).view(V6, V6, V6)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.fixture(scope="module")
+def spread_target():
+    return tiny_llama(seed=5, vocab_size=V6, layers=4, initializer_range=0.5, max_position_embeddings=64)
+
+
+def joint_pvalues(target, spec: str, sampling: SamplingParams) -> tuple[dict[str, float], int]:
+    prompts = [DIST_PROMPTS["short"], DIST_PROMPTS["long"]] * DRAWS
+    result = generate(target, lookup_draft(spec), prompts, num_draft_tokens=2, sampling=sampling, max_new_tokens=3,
+                      generator=torch.Generator().manual_seed(0))  # fmt: skip
+    flat = (torch.tensor(result.tokens) * torch.tensor([V6 * V6, V6, 1])).sum(1)
+    pvalues = {
+        kind: chi_square_pvalue(
+            torch.bincount(flat[i::2], minlength=V6**3), joint3(target, DIST_PROMPTS[kind], sampling)
+        )
+        for i, kind in enumerate(("short", "long"))
+    }
+    return pvalues, sum(r.drafted for r in result.stats.requests)
+
+
+@pytest.mark.parametrize("spec", ["ngram:max=2,min=1", "suffix:prob=0"])
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, top_k=4)], ids=["t1", "t0.8-top4"])
+def test_sampling_is_distributed_as_target_only(spread_target, spec, sampling):
+    pvalues, drafted = joint_pvalues(spread_target, spec, sampling)
+    assert drafted > DRAWS, "the prompts repeat: most rows propose, so the test sees the verification"
+    assert min(pvalues.values()) > 1e-4, pvalues
+
+
+@pytest.mark.parametrize("spec", ["ngram:max=2,min=1", "suffix:prob=0"])
+def test_accepting_past_a_rows_proposal_is_caught(spread_target, monkeypatch, spec):
+    """Guard on the test above: a verify that ignores each row's proposal length accepts the padding after it."""
+    verify = lookup.verify
+    monkeypatch.setattr(lookup, "verify", lambda p, q, x, gen, greedy, limit: verify(p, q, x, gen, greedy))
+    pvalues, _ = joint_pvalues(spread_target, spec, SamplingParams(1.0))
+    assert min(pvalues.values()) < 1e-6, pvalues
