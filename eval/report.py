@@ -549,7 +549,62 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 [[cat] + [_category_cell(by_cat[name].get(cat)) for name in by_cat] for cat in categories],
             )
         )
+    wins = kind_wins(report)
+    if wins:
+        temperature, rule, kinds, rows = wins
+        out.append(
+            (
+                f"Which kind wins, per category (each kind's most surely fast chain in that category, by the "
+                f"category's paired speedup; T={temperature:g}, {rule})",
+                ["category", "wins", "its speedup", *(f"best {k}" for k in kinds), "by how much"],
+                rows,
+            )
+        )
     return out
+
+
+def kind_wins(report: dict) -> tuple[float, str, list[str], list[list[str]]] | None:
+    """Per prompt category: which kind of draft (standalone, eagle3, ngram, suffix) is fastest, and by how much.
+
+    Each kind is represented by its candidate and chain length with the most surely fast speedup in that category
+    (`surest_speedup` of the category's paired speedup and interval, measured over the units of that category alone)
+    at the focus temperature and draft rule; the kinds are then ordered by that median speedup, and "by how much" is
+    the winner's over the runner-up kind's, flagged where their intervals overlap.
+    None when the report has a single kind or no per-category speedups (reports from before issue 26)."""
+    focus = focus_setting(report)
+    if not focus:
+        return None
+    _, temperature, rule = focus
+    best: dict[str, dict[str, tuple]] = {}  # category -> kind -> (rank, stats, label)
+    for c in report["candidates"]:
+        kind = c.get("kind", "standalone")
+        for s in _settings(c, temperature, rule):
+            for category, stats in (s.get("by_category") or {}).items():
+                if stats.get("speedup") is None:
+                    continue
+                rank, label = surest_speedup(stats), f"{c['name']} (num_draft_tokens={s['num_draft_tokens']})"
+                if kind not in best.setdefault(category, {}) or rank > best[category][kind][0]:
+                    best[category][kind] = (rank, stats, label)
+    kinds = sorted({k for per_kind in best.values() for k in per_kind})
+    if len(kinds) < 2:
+        return None
+    rows = []
+    for category, per_kind in sorted(best.items()):
+        ranked = sorted(per_kind.items(), key=lambda item: item[1][1]["speedup"], reverse=True)
+        (kind, (_, stats, label)), runner_up = ranked[0], ranked[1] if len(ranked) > 1 else None
+        by = stats["speedup"] / runner_up[1][1]["speedup"] if runner_up and runner_up[1][1]["speedup"] else None
+        ci, other = stats.get("speedup_ci"), runner_up[1][1].get("speedup_ci") if runner_up else None
+        overlap = " (intervals overlap)" if ci and other and ci[0] <= other[1] else ""
+        cells = [
+            f"{_fmt(per_kind[k][1]['speedup'])} ({_fmt(per_kind[k][1].get('speedup_ci'), 'speedup_ci')})"
+            if k in per_kind
+            else "-"
+            for k in kinds
+        ]
+        versus = f"{_fmt(by)}x over {runner_up[0]}{overlap}" if by else "-"
+        speed = f"{_fmt(stats['speedup'])} ({_fmt(stats.get('speedup_ci'), 'speedup_ci')})"
+        rows.append([category, f"{kind}: {label}", speed, *cells, versus])
+    return temperature, rule, kinds, rows
 
 
 def tree_rows(report: dict) -> list[list[str]]:

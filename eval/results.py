@@ -36,15 +36,25 @@ class Candidate:
 
     name: str
     """Label in the report."""
-    path: Path
-    """HF folder with the draft's weights (a best/ or checkpoint folder, or an exported draft)."""
+    path: Path | None
+    """HF folder with the draft's weights (a best/ or checkpoint folder, or an exported draft); None for a lookup."""
     run_dir: Path | None = None
     """Its distillation run directory, when known (for training curves)."""
+    lookup: str | None = None
+    """A zero-training draft's spec, e.g. 'ngram:max=4,min=2' or 'suffix' (`specdec_runtime.lookup.lookup_draft`)."""
 
     @property
     def kind(self) -> str:
-        """`eagle3` for an EAGLE-3 head (shared/EAGLE3.md), else `standalone`: the report's `kind` column."""
+        """`ngram` or `suffix` for a lookup, `eagle3` for an EAGLE-3 head (shared/EAGLE3.md), else `standalone`: the
+        report's `kind` column."""
+        if self.lookup is not None:
+            return self.lookup.partition(":")[0]
         return "eagle3" if is_eagle3_folder(self.path) else "standalone"
+
+    @property
+    def draft(self) -> str:
+        """The report's `draft`: the folder, or the lookup's spec."""
+        return self.lookup if self.lookup is not None else str(self.path)
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,20 @@ def _paired(runs: dict, gamma: int) -> dict:
         "target_only": {**{k: base_agg[k] for k in latency}, "phases": base.phases.to_dict()},
         "target_tokens_per_s": base_agg["tokens_per_s"],
     }
+
+
+def _paired_by_category(runs: dict, units: list[list], gamma: int) -> dict[str, dict]:
+    """Per category: the paired speedup (interval) and the in-run cost ratio over the units whose prompts all belong
+    to it (at batch size 1 every unit; a unit mixing categories counts in none)."""
+    by_unit: dict[str, list[int]] = {}
+    for i, unit in enumerate(units):
+        if len({p.category for p in unit}) == 1:
+            by_unit.setdefault(unit[0].category, []).append(i)
+    out = {}
+    for category, idx in by_unit.items():
+        m = paired_metrics([runs["target_only"][i] for i in idx], [runs["speculative"][i] for i in idx], gamma)
+        out[category] = {k: m[k] for k in ("speedup", "speedup_ci", "units", "cost_ratio")}
+    return out
 
 
 def _add_peaks(row: dict, measured: list[dict]) -> None:
@@ -141,6 +165,9 @@ def _setting(point: Setting, rows: list[dict], offline: float, cfg: EvalConfig) 
     ids = [p.id for p in order]
     paired = _paired(runs, point.num_draft_tokens)
     _add_peaks(paired, rows)
+    by_category = group_requests(spec.requests, [p.category for p in order], ids)
+    for category, speed in _paired_by_category(runs, units, point.num_draft_tokens).items():
+        by_category[category].update(speed)
     return {
         "num_draft_tokens": point.num_draft_tokens,
         "temperature": point.temperature,
@@ -153,7 +180,7 @@ def _setting(point: Setting, rows: list[dict], offline: float, cfg: EvalConfig) 
         "new_tokens": once["new_tokens"],
         "target_forwards": once["target_forwards"],
         "draft_forwards": once["draft_forwards"],
-        "by_category": group_requests(spec.requests, [p.category for p in order], ids),
+        "by_category": by_category,
         "by_length": group_requests(spec.requests, length_keys(spec.requests, ids, cfg.max_new_tokens), ids),
     }
 
@@ -165,7 +192,7 @@ def _target_only(parts: list[dict], temperature: float) -> dict:
         for part in parts
         for cand in part["candidates"]
         for i, point in enumerate(part["points"])
-        if point.temperature == temperature
+        if point.temperature == temperature and cand["rows"][i] is not None
     ]
     calls = [call for row in rows for unit in row["runs"]["target_only"] for call in unit]
     agg = merge_stats(calls).aggregate()
@@ -179,6 +206,11 @@ def _target_only(parts: list[dict], temperature: float) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The report
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """Mean over ranks; None where there is no estimate (a lookup draft has no distribution to compare)."""
+    return None if any(v is None for v in values) else sum(values) / len(values)
 
 
 def build_report(
@@ -206,19 +238,20 @@ def build_report(
             _setting(
                 point,
                 [m["rows"][s_idx] for m in per_rank],
-                sum(m["offline"][(point.temperature, point.draft_rule)] for m in per_rank) / len(per_rank),
+                _mean([m["offline"][(point.temperature, point.draft_rule)] for m in per_rank]),
                 cfg,
             )
             for s_idx, point in enumerate(points)
+            if per_rank[0]["rows"][s_idx] is not None  # a lookup's tree points are not measured
         ]
         report_candidates.append(
             {
                 "name": cand.name,
-                "draft": str(cand.path),
+                "draft": cand.draft,
                 "kind": cand.kind,
                 "run_dir": str(cand.run_dir) if cand.run_dir else None,
                 "num_parameters": per_rank[0]["params"],
-                "expected_acceptance": sum(m["offline_t1"] for m in per_rank) / len(per_rank),
+                "expected_acceptance": _mean([m["offline_t1"] for m in per_rank]),
                 "expected_acceptance_temperature": 1.0,
                 "settings": settings,
             }

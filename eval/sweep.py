@@ -48,6 +48,7 @@ from specdec_runtime.loading import (
     resolve_dtype,
     stop_token_ids,
 )
+from specdec_runtime.lookup import NgramDraft, SuffixDraft, is_lookup_spec, lookup_draft
 from specdec_runtime.metrics import GenerationStats, expected_acceptance
 from specdec_runtime.tree import parse_tree, tree_size
 
@@ -66,19 +67,23 @@ class EvalPrompt:
 
 
 def resolve_candidates(paths: list[str | Path]) -> list[Candidate]:
-    """Draft folders, checkpoint folders, or distillation run directories (their best/ and kept checkpoints)."""
+    """Draft folders, checkpoint folders, distillation run directories (their best/ and kept checkpoints), or a
+    zero-training draft spelled `ngram[:max=N,min=N]` / `suffix[:depth=N,factor=F,prob=P]` (no such folder here)."""
     found: list[Candidate] = []
     for raw in paths:
         path = Path(raw)
-        if (path / "best").is_dir() or (path / "checkpoints").is_dir():
+        if is_lookup_spec(str(raw)) and not path.exists():
+            lookup_draft(str(raw))  # a misspelt knob fails here, before any model loads
+            found.append(Candidate(name=str(raw), path=None, lookup=str(raw)))
+        elif (path / "best").is_dir() or (path / "checkpoints").is_dir():
             found += _run_dir_candidates(path)
         elif path.is_dir():
             check_draft_folder(path)
             found.append(Candidate(name=path.name, path=path))
         else:
             raise UserError(
-                f"candidate {path} does not exist; pass a draft folder, a checkpoint folder or a "
-                "distillation run directory (candidates/<name>/)"
+                f"candidate {path} does not exist; pass a draft folder, a checkpoint folder, a "
+                "distillation run directory (candidates/<name>/), or ngram / suffix for a zero-training draft"
             )
     names = [c.name for c in found]
     for i, cand in enumerate(found):  # disambiguate same-named folders from different runs
@@ -102,8 +107,10 @@ def _run_dir_candidates(run_dir: Path) -> list[Candidate]:
 
 
 def load_draft(cand: Candidate, device: str, dtype: str):
-    """Load a candidate's draft (tokenizer None for an EAGLE-3 head saved without one); a LoRA adapter folder is
-    merged into its base for decoding."""
+    """Load a candidate's draft (tokenizer None for an EAGLE-3 head saved without one, and for a lookup, which reads
+    the target's tokens); a LoRA adapter folder is merged into its base for decoding."""
+    if cand.lookup is not None:
+        return lookup_draft(cand.lookup), None
     if cand.kind == "eagle3":
         return load_eagle3(cand.path, dtype=dtype, device=device)
     if (cand.path / "adapter_config.json").is_file():
@@ -176,7 +183,10 @@ def measure(bench: Bench, draft, prompts: list[EvalPrompt], setting: Setting, ou
 def offline_acceptance(
     target, draft, prompts: list[EvalPrompt], outputs: dict[str, list[int]], temperature: float, rule: str
 ) -> float:
-    """`expected_acceptance` (sum_v min(p, q), or p(argmax q) for greedy) over the target's own outputs."""
+    """`expected_acceptance` (sum_v min(p, q), or p(argmax q) for greedy) over the target's own outputs; None for a
+    lookup draft, which has no distribution to compare before it runs."""
+    if isinstance(draft, NgramDraft | SuffixDraft):
+        return None
     sampling = SamplingParams(temperature=temperature)
     total, count = 0.0, 0
     with torch.no_grad():
@@ -273,10 +283,14 @@ def run_sweep(
         draft, draft_tokenizer = load_draft(cand, device, dtype)
         if draft_tokenizer is not None:  # an EAGLE-3 head's ids are the target's by construction
             check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
-        fast_draft = fast_model(draft, backend, draft=True)
+        # a suffix draft keeps the responses of the candidate's earlier calls, as a serving engine's cache does
+        fast_draft = fast_model(draft, backend, draft=True) if cand.lookup is None else draft
         rows = []
-        for point in points:
-            rows.append(measure(bench, fast_draft, mine, point, outputs.setdefault(point.temperature, {})))
+        for point in points:  # a lookup proposes chains only: its tree points stay unmeasured (None)
+            skip = cand.lookup is not None and point.tree is not None
+            rows.append(
+                None if skip else measure(bench, fast_draft, mine, point, outputs.setdefault(point.temperature, {}))
+            )
             bar.update(1)
         offline = {(t, r): offline_acceptance(target, draft, mine, outputs[t], t, r) for t, r in groups}
         offline_t1 = offline_acceptance(target, draft, mine, outputs[cfg.temperatures[-1]], 1.0, "sample")
@@ -318,7 +332,7 @@ def _serving_rule(serving: ServingConfig) -> str:
 
 
 def _num_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters()) if isinstance(model, torch.nn.Module) else 0
 
 
 def confirm(
@@ -339,7 +353,7 @@ def confirm(
     cand_report, best = choose(report, serving.temperature, _serving_rule(serving), serving.min_acceptance)
     cand = next(c for c in candidates if c.name == cand_report["name"])
     draft, _ = load_draft(cand, device, dtype)
-    fast_draft = fast_model(draft, backend, draft=True)
+    fast_draft = fast_model(draft, backend, draft=True) if cand.lookup is None else draft
     local = [
         measure(
             bench,

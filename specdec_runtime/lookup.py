@@ -27,7 +27,7 @@ from .kv import hole_layout
 from .sampling import verify, warp_logits
 from .step import Decoding, Feed, Verdict
 
-__all__ = ["LOOKUP_KINDS", "NgramDraft", "SuffixDraft", "lookup_draft", "lookup_state", "lookup_step"]
+__all__ = ["LOOKUP_KINDS", "NgramDraft", "SuffixDraft", "is_lookup_spec", "lookup_draft", "lookup_state", "lookup_step"]
 
 LOOKUP_KINDS = ("ngram", "suffix")
 
@@ -115,6 +115,11 @@ class SuffixDraft:
         _insert(self._global, response, self.max_depth, +1)
         while len(self._responses) > self.max_cached_requests:
             _insert(self._global, self._responses.pop(next(iter(self._responses))), self.max_depth, -1)
+
+
+def is_lookup_spec(spec: str) -> bool:
+    """Whether a draft named on the command line or in a config is a zero-training draft (`lookup_draft`)."""
+    return spec.partition(":")[0] in LOOKUP_KINDS
 
 
 def lookup_draft(spec: str) -> NgramDraft | SuffixDraft:

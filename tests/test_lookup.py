@@ -235,3 +235,47 @@ def test_accepting_past_a_rows_proposal_is_caught(spread_target, monkeypatch, sp
     monkeypatch.setattr(lookup, "verify", lambda p, q, x, gen, greedy, limit: verify(p, q, x, gen, greedy))
     pvalues, _ = joint_pvalues(spread_target, spec, SamplingParams(1.0))
     assert min(pvalues.values()) < 1e-6, pvalues
+
+
+# ------------------------------------------------------------------------------------------------ eval and report
+
+
+def test_eval_measures_free_drafts_next_to_a_model_per_category(tmp_path):
+    """The sweep measures ngram and suffix candidates with the same paired A/B as a draft model (the target as its
+    own draft here); each setting's categories carry their own paired speedup, the report says per category which
+    kind wins, a lookup has no tree settings and no offline estimate."""
+    from eval.config import EvalConfig
+    from eval.report import kind_wins, write_reports
+    from eval.sweep import EvalPrompt, resolve_candidates, run_sweep
+    from specdec_runtime.loading import load_model
+    from specdec_runtime.tiny import build_tiny_model
+
+    folder = build_tiny_model("tiny-llama", tmp_path / "tiny")
+    target, tokenizer = load_model(str(folder), device="cpu")
+    texts = {"repeats": ["a b c a b c a b", "x y x y x y x"], "plain": ["hello there", "what is it"]}
+    prompts = [
+        EvalPrompt(id=f"{cat}{i}", category=cat, ids=tokenizer.encode(text))
+        for cat, group in texts.items()
+        for i, text in enumerate(group * 2)
+    ]
+    cfg = EvalConfig(num_draft_tokens=[2, 3], temperatures=[0.0], trees=["2,2"], max_new_tokens=8, warmup=0)
+    candidates = resolve_candidates([folder, "ngram:max=2,min=1", "suffix"])
+    assert [c.kind for c in candidates] == ["standalone", "ngram", "suffix"]
+    report = run_sweep(target, tokenizer, candidates, prompts, cfg, target_spec=str(folder), progress=False)
+    by_name = {c["name"]: c for c in report["candidates"]}
+    assert by_name["ngram:max=2,min=1"]["draft"] == "ngram:max=2,min=1" and by_name["suffix"]["kind"] == "suffix"
+    for name in ("ngram:max=2,min=1", "suffix"):
+        cand = by_name[name]
+        assert cand["expected_acceptance"] is None and cand["num_parameters"] == 0
+        assert [s["tree"] for s in cand["settings"]] == [None, None]  # chains only
+        assert all(s["draft_forwards"] == 0 for s in cand["settings"])
+    assert [s["tree"] for s in by_name["tiny"]["settings"]] == [None, None, "2,2"]
+    for cand in report["candidates"]:
+        for s in cand["settings"]:
+            for category, stats in s["by_category"].items():
+                assert stats["units"] == 2 and stats["speedup_ci"][0] <= stats["speedup"] <= stats["speedup_ci"][1]
+    temperature, rule, kinds, rows = kind_wins(report)
+    assert kinds == ["ngram", "standalone", "suffix"] and [r[0] for r in rows] == ["plain", "repeats"]
+    paths = write_reports(report, tmp_path / "out")
+    markdown = paths["md"].read_text()
+    assert "Which kind wins, per category" in markdown and "| repeats |" in markdown
