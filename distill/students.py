@@ -26,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec_runtime.errors import UserError
 from specdec_runtime.loading import check_vocab_compatible, load_model
+from specdec_runtime.lookup import LOOKUP_KINDS, lookup_draft
 
 # Config attributes holding one entry per decoder layer; truncation keeps the kept layers' entries.
 PER_LAYER_CONFIG_LISTS = ("layer_types", "mlp_layer_types", "no_rope_layers")
@@ -34,9 +35,11 @@ LLAMA_LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 @dataclass
 class DraftConfig:
-    init: Literal["truncate", "config", "pretrained", "eagle3"] = "truncate"
-    """How the draft starts: truncate the target's layers, a smaller random config, a pretrained small model, or an
-    EAGLE-3 head (one layer fed with the target's hidden states, reduced vocabulary; distill/eagle3.py)."""
+    init: Literal["truncate", "config", "pretrained", "eagle3", "ngram", "suffix"] = "truncate"
+    """How the draft starts: truncate the target's layers, a smaller random config, a pretrained small model, an
+    EAGLE-3 head (one layer fed with the target's hidden states, reduced vocabulary; distill/eagle3.py), or a
+    zero-training draft every serving engine offers, evaluated next to the distilled ones and never trained: ngram
+    (prompt lookup) or suffix (suffix decoding; specdec_runtime/lookup.py)."""
     layers: list[int] | None = None
     """truncate: the target layer indices to keep (strictly increasing); None = `num_layers` evenly spaced."""
     num_layers: int = 4
@@ -74,10 +77,17 @@ class DraftConfig:
     freeze_lm_head: bool = False
     """eagle3: keep lm_head at the target's rows of the draft vocabulary (as speculators does); false trains it
     (as EAGLE does)."""
+    lookup_knobs: list[str] = field(default_factory=lambda: [""])
+    """ngram / suffix: the knob settings the eval sweeps, each one candidate, spelled as on the command line: ngram
+    'max=4,min=2' (prompt_lookup_max / _min), suffix 'depth=24,factor=1.0,prob=0.1' (tree depth, max_spec_factor,
+    min_token_prob); '' = the kind's defaults (those values)."""
 
     def __post_init__(self) -> None:
-        if self.init not in ("truncate", "config", "pretrained", "eagle3"):
-            raise ValueError(f"init must be one of truncate, config, pretrained, eagle3; got {self.init!r}")
+        if self.init not in ("truncate", "config", "pretrained", "eagle3", *LOOKUP_KINDS):
+            raise ValueError(
+                f"init must be one of truncate, config, pretrained, eagle3, ngram, suffix; got {self.init!r}"
+            )
+        self._check_lookup()
         if self.layers is not None:
             if self.init != "truncate":
                 raise ValueError(f"layers is only used by init=truncate, got init={self.init}")
@@ -106,6 +116,26 @@ class DraftConfig:
         if not self.lora_target_modules:
             raise ValueError("lora_target_modules must name at least one module")
         self._check_eagle3()
+
+    @property
+    def lookup_specs(self) -> list[str]:
+        """ngram / suffix: one `specdec_runtime.lookup.lookup_draft` spec per knob setting ([] for a trained draft)."""
+        if self.init not in LOOKUP_KINDS:
+            return []
+        return [f"{self.init}:{knobs}" if knobs else self.init for knobs in self.lookup_knobs]
+
+    def _check_lookup(self) -> None:
+        if self.init not in LOOKUP_KINDS:
+            if self.lookup_knobs != [""]:
+                raise ValueError(f"lookup_knobs is only used by init=ngram or init=suffix, got init={self.init}")
+            return
+        if not self.lookup_knobs or len(set(self.lookup_knobs)) != len(self.lookup_knobs):
+            raise ValueError(f"lookup_knobs must list distinct knob settings ('' = defaults), got {self.lookup_knobs}")
+        for spec in self.lookup_specs:
+            try:
+                lookup_draft(spec)
+            except UserError as e:
+                raise ValueError(f"lookup_knobs: {e}") from None
 
     def _check_eagle3(self) -> None:
         if self.aux_layers is not None:

@@ -1,7 +1,10 @@
 """Benchmark one target/draft pair on one prompt set: target-only vs speculative (ours) vs HF assisted generation.
 
-An EAGLE-3 head (`eagle3.Eagle3Draft`) runs without the HF assisted arm: transformers has no EAGLE-3 path, so the
-JSON says `hf_assisted: {"skipped": "..."}` and `speedup_vs_hf_assisted` is null.
+An EAGLE-3 head (`eagle3.Eagle3Draft`) and a suffix draft (`lookup.SuffixDraft`) run without the HF assisted arm:
+transformers has no EAGLE-3 path and no suffix decoding, so the JSON says `hf_assisted: {"skipped": "..."}` and
+`speedup_vs_hf_assisted` is null. An n-gram draft (`lookup.NgramDraft`) is compared with HF's own prompt lookup
+(`prompt_lookup_num_tokens` = gamma, `max_matching_ngram_size` = prompt_lookup_max; HF matches down to one token
+whatever prompt_lookup_min, and takes the earliest occurrence, as vLLM and we do).
 
 All arms run in this process on the same prompts with the same stop tokens, paired and repeated (`ab.paired_runs`:
 ABBA order per unit, `repeats` times); warm-up runs on the longest unit are excluded from timings. A unit is one
@@ -36,6 +39,7 @@ from .backends import BackendOptions, backend_name, fast_model, full_units, long
 from .eagle3 import Eagle3Draft
 from .engine import generate
 from .loading import stop_token_ids
+from .lookup import NgramDraft, SuffixDraft
 from .metrics import GenerationStats
 from .sampling import DraftRule, SamplingParams
 
@@ -99,7 +103,8 @@ def hf_generation_config(tokenizer, stop: tuple[int, ...], max_new_tokens: int, 
 
 
 def hf_assisted(target, draft, prompts: list[list[int]], config: GenerationConfig, hook: VerifyWidths) -> HFRun:
-    """HF assisted generation prompt by prompt (it supports batch size 1 only), timed, with the verify widths."""
+    """HF assisted generation prompt by prompt (it supports batch size 1 only), timed, with the verify widths;
+    draft=None: HF prompt lookup (`config.prompt_lookup_num_tokens`)."""
     run = HFRun(0, 0.0)
     for prompt in prompts:
         ids = torch.tensor([prompt], device=target.device)
@@ -108,7 +113,8 @@ def hf_assisted(target, draft, prompts: list[list[int]], config: GenerationConfi
         if target.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, generation_config=config)
+        assist = {"assistant_model": draft} if draft is not None else {}
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **assist)
         if target.device.type == "cuda":
             torch.cuda.synchronize()
         run.wall_s += time.perf_counter() - start
@@ -155,7 +161,8 @@ def run_bench(
     """
     stop = stop_token_ids(target, tokenizer)
     fast_target = fast_model(target, backend)
-    fast_draft = fast_model(draft, backend, draft=True)
+    lookup = isinstance(draft, NgramDraft | SuffixDraft)
+    fast_draft = draft if lookup else fast_model(draft, backend, draft=True)
     hf_draft = copy.deepcopy(draft) if draft is target else draft  # the width hook must see target forwards only
     units = full_units(prompts, batch_size)
     ours = dict(
@@ -166,9 +173,14 @@ def run_bench(
         stop_token_ids=stop,
     )
     hf_config = hf_generation_config(tokenizer, stop, max_new_tokens, temperature)
+    if isinstance(draft, NgramDraft):  # HF's own prompt lookup: gamma tokens after the longest match up to max
+        hf_config.prompt_lookup_num_tokens = num_draft_tokens
+        hf_config.max_matching_ngram_size = draft.prompt_lookup_max
+        hf_draft = None
     hook = VerifyWidths(target)
-    eagle3 = isinstance(draft, Eagle3Draft)  # transformers has no EAGLE-3 path: no HF assisted arm
-    arms = ["target_only", "speculative", *(["tree"] if tree is not None else []), *([] if eagle3 else ["hf_assisted"])]
+    kind = draft_kind(draft)
+    no_hf = HF_SKIPPED.get(kind)  # transformers has no EAGLE-3 and no suffix decoding path: no HF arm
+    arms = ["target_only", "speculative", *(["tree"] if tree is not None else []), *([] if no_hf else ["hf_assisted"])]
 
     def run(unit: int, arm: str, repeat: int):
         call_seed = seed + 7919 * repeat + unit  # the same seed for every arm of a pair
@@ -182,7 +194,7 @@ def run_bench(
         ).stats
 
     try:
-        with nullcontext() if eagle3 else fair_assistant(hf_draft, num_draft_tokens):
+        with nullcontext() if no_hf or lookup else fair_assistant(hf_draft, num_draft_tokens):
             # speculative arms first: they size the target's static cache, which target-only then reuses as is
             for arm in [a for a in arms if a != "target_only"] + ["target_only"]:
                 for _ in range(warmup):  # compile kernels, capture CUDA graphs, fill allocator caches
@@ -192,7 +204,7 @@ def run_bench(
             runs = paired_runs(run, units=len(units), arms=arms, repeats=repeats)
     finally:
         hook.handle.remove()
-    return _bench_result(runs, num_draft_tokens, tree) | {
+    return _bench_result(runs, num_draft_tokens, tree, no_hf) | {
         "settings": {
             "num_draft_tokens": num_draft_tokens,
             "draft_rule": draft_rule,
@@ -206,7 +218,7 @@ def run_bench(
             "stop_token_ids": list(stop),
             "backend": backend_name(fast_target),
             "compact_model": fast_target is not target,
-            "draft_kind": "eagle3" if eagle3 else "standalone",
+            "draft_kind": kind,
             "tree": tree,
         }
     }
@@ -219,16 +231,25 @@ def _arm(stats: GenerationStats) -> dict:
     }
 
 
-HF_SKIPPED_EAGLE3 = (
-    "transformers' assisted generation has no EAGLE-3 path (an EAGLE-3 head reads the target's hidden states and "
-    "has no embeddings of its own); it is served by vLLM, SGLang, TensorRT-LLM and this runtime"
-)
+HF_SKIPPED = {
+    "eagle3": "transformers' assisted generation has no EAGLE-3 path (an EAGLE-3 head reads the target's hidden "
+    "states and has no embeddings of its own); it is served by vLLM, SGLang, TensorRT-LLM and this runtime",
+    "suffix": "transformers has no suffix decoding; it is served by vLLM (`method: suffix`) and this runtime",
+}
+HF_SKIPPED_EAGLE3 = HF_SKIPPED["eagle3"]
 
 
-def _hf_block(runs: dict) -> tuple[dict, dict]:
+def draft_kind(draft) -> str:
+    """standalone, eagle3, ngram or suffix: the bench JSON's `settings.draft_kind`."""
+    if isinstance(draft, NgramDraft | SuffixDraft):
+        return draft.kind
+    return "eagle3" if isinstance(draft, Eagle3Draft) else "standalone"
+
+
+def _hf_block(runs: dict, skipped: str | None) -> tuple[dict, dict]:
     """The `hf_assisted` block and the paired speedup against it; `{"skipped": why}` when the arm did not run."""
     if "hf_assisted" not in runs:
-        return {"skipped": HF_SKIPPED_EAGLE3}, {"speedup": None, "speedup_ci": None}
+        return {"skipped": skipped}, {"speedup": None, "speedup_ci": None}
     hf_runs = [c for unit in runs["hf_assisted"] for c in unit]
     widths = [w for c in hf_runs for w in c.widths]
     hf_wall, hf_tokens = sum(c.wall_s for c in hf_runs), sum(c.new_tokens for c in hf_runs)
@@ -244,8 +265,8 @@ def _hf_block(runs: dict) -> tuple[dict, dict]:
     return block, paired_speedup(runs["hf_assisted"], runs["speculative"], _wall_s_per_token)
 
 
-def _bench_result(runs: dict, gamma: int, tree: str | None) -> dict:
-    hf, vs_hf = _hf_block(runs)
+def _bench_result(runs: dict, gamma: int, tree: str | None, skipped: str | None = None) -> dict:
+    hf, vs_hf = _hf_block(runs, skipped)
     result = {
         "target_only": _arm(pooled(runs["target_only"])),
         "speculative": _arm(pooled(runs["speculative"])),

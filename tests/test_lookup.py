@@ -279,3 +279,20 @@ def test_eval_measures_free_drafts_next_to_a_model_per_category(tmp_path):
     paths = write_reports(report, tmp_path / "out")
     markdown = paths["md"].read_text()
     assert "Which kind wins, per category" in markdown and "| repeats |" in markdown
+
+
+def test_bench_compares_ngram_with_hf_prompt_lookup_and_skips_hf_for_suffix(tmp_path):
+    """The HF arm of an n-gram bench is HF's own prompt lookup (gamma tokens per step: the widths it verified say
+    so); transformers has no suffix decoding, so that arm is skipped with the reason."""
+    from specdec_runtime.bench import run_bench
+    from specdec_runtime.loading import load_model
+    from specdec_runtime.tiny import build_tiny_model
+
+    target, tokenizer = load_model(str(build_tiny_model("tiny-llama", tmp_path / "tiny")), device="cpu")
+    prompts = [tokenizer.encode("a b c a b c a b"), tokenizer.encode("x y x y x y")]
+    kwargs = dict(num_draft_tokens=3, max_new_tokens=12, temperature=0.0, batch_size=1, seed=0, repeats=1)
+    ngram = run_bench(target, lookup_draft("ngram:max=2,min=1"), tokenizer, prompts, **kwargs)
+    assert ngram["settings"]["draft_kind"] == "ngram" and ngram["hf_assisted"]["draft_tokens_per_step"] == 3
+    assert ngram["speedup_vs_hf_assisted"] is not None and ngram["speculative"]["new_tokens"] == 24
+    suffix = run_bench(target, lookup_draft("suffix"), tokenizer, prompts, **kwargs)
+    assert "no suffix decoding" in suffix["hf_assisted"]["skipped"] and suffix["speedup_vs_hf_assisted"] is None
