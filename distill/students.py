@@ -79,8 +79,8 @@ class DraftConfig:
     (as EAGLE does)."""
     lookup_knobs: list[str] = field(default_factory=lambda: [""])
     """ngram / suffix: the knob settings the eval sweeps, each one candidate, spelled as on the command line: ngram
-    'max=4,min=2' (prompt_lookup_max / _min), suffix 'depth=24,factor=1.0,prob=0.1' (tree depth, max_spec_factor,
-    min_token_prob); '' = the kind's defaults (those values)."""
+    'max=4,min=2' (prompt_lookup_max / _min), suffix 'depth=24,factor=1.0,prob=0.1,cached=1000' (tree depth,
+    max_spec_factor, min_token_prob, max_cached_requests); '' = the kind's defaults (those values)."""
 
     def __post_init__(self) -> None:
         if self.init not in ("truncate", "config", "pretrained", "eagle3", *LOOKUP_KINDS):

@@ -43,10 +43,12 @@ import yaml
 from eval.config import ServingConfig
 from eval.engines import (
     ENGINES,
+    LOOKUP_KINDS,
     METHODS,
     ServingSetting,
     engine_notes,
     engine_snippets,
+    kind_difference,
     recommended_setting,
     rule_difference,
 )
@@ -55,6 +57,7 @@ from eval.recommend import gate, max_concurrency
 from specdec_runtime import atomic
 from specdec_runtime.eagle3 import CONFIG_FILE, is_eagle3_folder
 from specdec_runtime.errors import UserError
+from specdec_runtime.lookup import is_lookup_spec, lookup_draft
 
 OWNED_KEYS = ("target", "speculative", "engines", "history")
 HEADER = (
@@ -64,7 +67,8 @@ HEADER = (
     "# (speculation off above it), set only when a larger measured batch size failed; null: no limit was measured.\n"
 )
 ENGINES_HEADER = (
-    "# The comment above each engine names the engine version its settings assume (`needs:`) and where they depart\n"
+    "# The comment above each engine names the engine version its settings assume (`needs:`), or that it cannot serve\n"
+    "# the measured kind (`not served:`), and where its settings depart\n"
     '# from the measured setting (docs/eval-and-serving.md, "Engines").\n'
 )
 
@@ -191,7 +195,7 @@ RECOMMENDATION_SCHEMA = {
     "reason": (lambda v: isinstance(v, str), "a string", True, None),
     "confirmation": (_mapping, "a mapping", True, CONFIRMATION_SCHEMA),
     "name": (_folder_name, "a folder name (no / and no leading dot)", False, None),
-    "draft": (lambda v: isinstance(v, str) and v != "", "the draft folder's path", "enabled", None),
+    "draft": (lambda v: isinstance(v, str) and v != "", "the draft folder's path or a lookup spec", "enabled", None),
     "kind": (lambda v: v in METHODS, f"one of {', '.join(METHODS)}", False, None),
     "num_draft_tokens": (_count, "an integer >= 1", "enabled", None),
     "draft_rule": (lambda v: v in ("greedy", "sample"), "greedy or sample", "enabled", None),
@@ -349,11 +353,29 @@ def check_decision(rec: dict, report_path: Path) -> str | None:
 # The draft
 
 
+def is_lookup(rec: dict) -> bool:
+    """A zero-training draft (ngram, suffix): no folder, no weights, nothing to export; its spec is `draft`."""
+    return rec.get("kind") in LOOKUP_KINDS or (
+        isinstance(rec.get("draft"), str) and is_lookup_spec(rec["draft"]) and not Path(rec["draft"]).exists()
+    )
+
+
 def check_recommended_draft(rec: dict, report_path: Path) -> str:
     """The draft's kind, once its folder is known to exist, to hold a draft of the kind the report claims (an EAGLE-3
-    head or a standalone model) and to have readable config and weights (headers only, no weights are loaded)."""
+    head or a standalone model) and to have readable config and weights (headers only, no weights are loaded); for a
+    zero-training draft, that its spec parses and names the kind claimed."""
     from specdec_runtime.loading import ModelLoadError, check_draft_folder, load_config
 
+    if is_lookup(rec):
+        try:
+            kind = lookup_draft(rec["draft"]).kind
+        except UserError as e:
+            raise UserError(f"{report_path}: recommendation.draft: {e}; {EDITED}") from None
+        if rec.get("kind", kind) != kind:
+            raise UserError(
+                f"{report_path}: recommendation.kind is {rec['kind']}, but draft is {rec['draft']}; {EDITED}"
+            )
+        return kind
     folder = Path(rec["draft"]).expanduser()
     if not folder.is_dir():
         raise UserError(
@@ -442,7 +464,11 @@ MEASURED_KEYS = ("acceptance_rate", "mean_accepted_length", "speedup", "speedup_
 
 
 def serving_setting(rec: dict, draft: str, num_target_layers: int) -> ServingSetting:
-    """What the engines must reproduce of an enabled recommendation, served from `draft` (the export's path)."""
+    """What the engines must reproduce of an enabled recommendation, served from `draft` (the export's path); a
+    zero-training draft is served from its knobs."""
+    if is_lookup(rec):
+        draft = lookup_draft(rec["draft"])
+        return recommended_setting({**rec, "kind": draft.kind}, None, knobs=draft.knobs())
     folder, aux = Path(rec["draft"]), None
     if is_eagle3_folder(folder):  # the folder decides the kind; the layers eval measured: config.json's or the default
         aux = head_aux(json.loads((folder / CONFIG_FILE).read_text()), folder, None, num_target_layers)
@@ -490,6 +516,8 @@ def build_serving(
     rec = report["recommendation"]
     conf = rec["confirmation"]
     draft = setting.draft if setting is not None else None
+    if setting is not None and setting.knobs is not None:  # a zero-training draft: its spec names it
+        draft = rec["draft"]
     # The report's max_concurrency is serving.yaml's max_concurrency_measured: next to concurrency_limit, the cap,
     # a measured value must not read like one (docs/metrics.md).
     measured = {k: conf.get(k) for k in MEASURED_KEYS} | {
@@ -503,13 +531,14 @@ def build_serving(
             "enabled": True,
             "draft": draft,
             "kind": setting.kind,
+            **({"knobs": dict(setting.knobs)} if setting.knobs is not None else {}),
             "num_draft_tokens": setting.num_draft_tokens,
             "draft_rule": setting.draft_rule,
             "temperature": rec.get("temperature"),
             "max_concurrency_measured": measured["max_concurrency_measured"],
             "concurrency_limit": setting.concurrency_limit,
             "measured": measured,
-            "reason": _with_difference(rec["reason"], rule_difference(setting)),
+            "reason": _with_difference(rec["reason"], _differences(setting)),
         }
         engines = _merge_engines(old.get("engines"), engine_snippets(setting))
     else:
@@ -577,6 +606,12 @@ def locked(path: Path):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _differences(setting: ServingSetting) -> str | None:
+    """What some engine cannot serve of the measured setting (its draft rule, or the kind at all), else None."""
+    said = [d for d in (rule_difference(setting), kind_difference(setting)) if d]
+    return " ".join(said) or None
+
+
 def _with_difference(reason: str, difference: str | None) -> str:
     return reason if difference is None else f"{reason.rstrip('.')}. {difference}"
 
@@ -589,7 +624,7 @@ def dump_serving(config: dict, notes: dict[str, list[str]] | None = None) -> str
     lines, in_engines = [], False
     for line in text.splitlines(keepends=True):
         in_engines = line.startswith("engines:") or (in_engines and line.startswith(" "))
-        key = line.strip().removesuffix(":")
+        key = line.strip().split(":", 1)[0]  # `vllm:` opens a mapping; `sglang: []` is an engine left empty
         if in_engines and line.startswith("  ") and not line.startswith("   ") and key in ENGINES:
             for note in notes.get(key, []):
                 lines += [f"  # {part}\n" for part in textwrap.wrap(note, 114, subsequent_indent="  ")]
@@ -648,10 +683,12 @@ def promote(
     else:
         view = TargetView(target[0].config, target[1])
     check_target(report, report_path, expected_target, target_fingerprint(view, view.tokenizer))
-    export_dir = export_dir_for(rec, export_root) if export_root is not None and rec.get("draft") else None
+    # a zero-training draft has no weights: nothing to export, its knobs are the serving setting
+    exportable = rec.get("draft") and not is_lookup(rec)
+    export_dir = export_dir_for(rec, export_root) if export_root is not None and exportable else None
     if rec["enabled"] or export_dir is not None:
         check_recommended_draft(rec, report_path)
-    if rec["enabled"]:
+    if rec["enabled"] and not is_lookup(rec):  # a lookup proposes the target's own tokens
         check_draft(rec, view)
     check_serving_path(serving_path)
     if not (force or dry_run):

@@ -89,6 +89,7 @@ class SuffixDraft:
             "max_depth": self.max_depth,
             "max_spec_factor": self.max_spec_factor,
             "min_token_prob": self.min_token_prob,
+            "max_cached_requests": self.max_cached_requests,
         }
 
     def begin(self, prompts: list[list[int]]) -> list[tuple[list[int], list[int] | None]]:
@@ -123,8 +124,8 @@ def is_lookup_spec(spec: str) -> bool:
 
 
 def lookup_draft(spec: str) -> NgramDraft | SuffixDraft:
-    """'ngram', 'ngram:max=4,min=2', 'suffix', 'suffix:depth=24,factor=1.0,prob=0.1' -> the draft (the CLI's and the
-    eval's spelling of a zero-training draft)."""
+    """'ngram', 'ngram:max=4,min=2', 'suffix', 'suffix:depth=24,factor=1.0,prob=0.1,cached=1000' -> the draft (the
+    CLI's and the eval's spelling of a zero-training draft)."""
     kind, _, args = spec.partition(":")
     names = {
         "ngram": {"max": ("prompt_lookup_max", int), "min": ("prompt_lookup_min", int)},
@@ -132,11 +133,13 @@ def lookup_draft(spec: str) -> NgramDraft | SuffixDraft:
             "depth": ("max_depth", int),
             "factor": ("max_spec_factor", float),
             "prob": ("min_token_prob", float),
+            "cached": ("max_cached_requests", int),
         },
     }
     if kind not in names:
         raise UserError(
-            f"unknown zero-training draft {spec!r}; use ngram[:max=N,min=N] or suffix[:depth=N,factor=F,prob=P]"
+            f"unknown zero-training draft {spec!r}; use ngram[:max=N,min=N] or "
+            "suffix[:depth=N,factor=F,prob=P,cached=N]"
         )
     kwargs = {}
     for item in filter(None, args.split(",")):

@@ -2,7 +2,10 @@
 exported head's config.json and the model card: an EAGLE-3 head with custom aux layers [1, 3, 5], recommended with the
 sampled draft rule at gamma 3 and confirmed up to batch size 4 of [1, 4, 16] (so capped at 4). Each engine gets the
 head's layers in its own convention, the rule it can express (or a note saying it cannot, also in the reason), the
-cap, and a `needs:` comment naming the engine version its settings assume."""
+cap, and a `needs:` comment naming the engine version its settings assume.
+
+The zero-training drafts (issue 26) are checked on `engine_snippets` / `engine_notes` directly: each engine that has
+the method gets the draft's knobs under its own names, each that has none an empty snippet and a `not served:` note."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import pytest
 import yaml
 from helpers.reports import eagle3_run
 
-from eval.promote import promote
+from eval.engines import ServingSetting, engine_notes, engine_snippets, kind_difference, rule_difference
+from eval.promote import _merge_engines, promote
+from specdec_runtime.lookup import NgramDraft, SuffixDraft
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +113,6 @@ def test_a_head_saved_without_aux_ids_is_served_from_the_layers_eval_measured(tm
 def test_a_capped_standalone_draft_notes_where_vllms_schedule_is_untested():
     """vLLM documents its batch-size schedule as tested with EAGLE / EAGLE-3 / DFlash only and off under data
     parallelism: the note says so where it is written for a draft model."""
-    from eval.engines import ServingSetting, engine_notes
-
     notes = engine_notes(ServingSetting("/d", 4, concurrency_limit=8))["vllm"]
     assert notes[0].startswith("needs: vLLM >= 0.15.0") and "num_speculative_tokens_per_batch_size" in notes[0]
     assert "tested with EAGLE / EAGLE-3 / DFlash only" in notes[1] and "data parallelism > 1" in notes[1]
@@ -117,3 +120,139 @@ def test_a_capped_standalone_draft_notes_where_vllms_schedule_is_untested():
         len(engine_notes(ServingSetting("/d", 4, kind="eagle3", aux_layers=(2, 4, 5), concurrency_limit=8))["vllm"])
         == 1
     )
+
+
+NGRAM = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SUFFIX = {"max_depth": 24, "max_spec_factor": 1.5, "min_token_prob": 0.2}
+
+
+def test_ngram_goes_to_vllm_and_tensorrt_llm_under_their_names_and_sglang_serves_none():
+    setting = ServingSetting(None, 5, kind="ngram", knobs=NGRAM)
+    snippets = engine_snippets(setting)
+    assert snippets["vllm"] == {
+        "speculative_config": {
+            "method": "ngram",  # no model: vLLM names it after the method
+            "num_speculative_tokens": 5,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    }
+    assert snippets["trtllm"] == {
+        "speculative_config": {
+            "decoding_type": "NGram",
+            "max_draft_len": 5,
+            "max_matching_ngram_size": 4,
+            "is_public_pool": False,  # its default pools all requests' n-grams; prompt lookup reads its own context
+            "is_keep_all": True,
+            "is_use_oldest": True,  # the earliest occurrence, as vLLM and the eval
+        },
+        "disable_overlap_scheduler": True,
+    }
+    assert snippets["sglang"] == []  # its NGRAM is another draft
+    notes = engine_notes(setting)
+    (vllm,) = notes["vllm"]
+    assert vllm.startswith("needs: vLLM >= 0.10.1 for V1 `method: ngram`") and "0.8.2-0.8.5 serve ngram on V0" in vllm
+    (sglang,) = notes["sglang"]
+    assert sglang.startswith("not served: SGLang has no prompt lookup") and "--speculative-algorithm NGRAM" in sglang
+    assert "never searches the prompt" in sglang
+    needs, no_min = notes["trtllm"]
+    assert needs.startswith("needs: TensorRT-LLM PyTorch backend with NGramDecodingConfig") and "not verified" in needs
+    assert "no prompt_lookup_min" in no_min and "2..4 tokens" in no_min and "down to 1 token" in no_min
+    one = ServingSetting(None, 5, kind="ngram", knobs={**NGRAM, "prompt_lookup_min": 1})
+    assert len(engine_notes(one)["trtllm"]) == 1  # from 1 token on, TensorRT-LLM matches as measured
+    assert kind_difference(setting).startswith("SGLang cannot serve the measured ngram draft")
+
+
+def test_suffix_goes_to_vllm_only_with_its_departures_noted():
+    setting = ServingSetting(None, 16, kind="suffix", knobs=SUFFIX)
+    assert engine_snippets(setting) == {
+        "vllm": {
+            "speculative_config": {
+                "method": "suffix",
+                "num_speculative_tokens": 16,  # the cap: suffix drafts up to it, at most max_spec_factor x the match
+                "suffix_decoding_max_tree_depth": 24,
+                "suffix_decoding_max_spec_factor": 1.5,
+                "suffix_decoding_min_token_prob": 0.2,
+            }
+        },
+        "sglang": [],
+        "trtllm": {},
+    }
+    notes = engine_notes(setting)
+    assert notes["vllm"][0] == (
+        "needs: vLLM >= 0.11.1 for `method: suffix` (PR #25784) and `pip install arctic-inference` (not a vLLM "
+        "dependency; vLLM's error message names arctic-inference==0.1.1)"
+    )
+    vllm = " ".join(notes["vllm"][1:])
+    assert "every match length" in vllm and "deepest match" in vllm  # Arctic's draft choice vs the eval's
+    assert "repeated prompt finds its earlier answer" in vllm and "10000 requests" in vllm
+    (sglang,), (trtllm,) = notes["sglang"], notes["trtllm"]
+    assert sglang.startswith("not served: SGLang has no suffix decoding") and "NGRAM" in sglang
+    assert trtllm.startswith("not served: TensorRT-LLM has no suffix decoding") and "`decoding_type: SA`" in trtllm
+    assert kind_difference(setting).startswith("SGLang and TensorRT-LLM cannot serve the measured suffix draft")
+    cached = ServingSetting(None, 16, kind="suffix", knobs={**SUFFIX, "max_cached_requests": 1000})
+    assert engine_snippets(cached)["vllm"]["speculative_config"]["suffix_decoding_max_cached_requests"] == 1000
+    assert not any("10000" in n for n in engine_notes(cached)["vllm"])  # measured: no default to warn about
+
+
+def test_the_drafts_own_knobs_map_onto_every_key():
+    for draft in (NgramDraft(5, 3), SuffixDraft(max_depth=12)):
+        config = engine_snippets(ServingSetting(None, 4, kind=draft.kind, knobs=draft.knobs()))["vllm"]
+        assert len(config["speculative_config"]) == 2 + len(draft.knobs())  # method, num_speculative_tokens, knobs
+
+
+def test_a_capped_lookup_is_capped_where_the_engine_can_switch_speculation_off():
+    ngram = ServingSetting(None, 4, kind="ngram", knobs=NGRAM, concurrency_limit=8)
+    snippets, notes = engine_snippets(ngram), engine_notes(ngram)
+    assert snippets["vllm"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 9, 0]]
+    assert snippets["trtllm"]["speculative_config"]["max_concurrency"] == 8
+    assert "num_speculative_tokens_per_batch_size" in notes["vllm"][0] and "`max_concurrency`" in notes["trtllm"][0]
+    assert "tested with EAGLE / EAGLE-3 / DFlash only" in notes["vllm"][1] and "ngram deployment" in notes["vllm"][1]
+    assert len(notes["sglang"]) == 1  # not served: no cap to note
+    suffix = ServingSetting(None, 4, kind="suffix", knobs=SUFFIX, concurrency_limit=8)
+    # vLLM's suffix proposer asserts every step drafts num_speculative_tokens: a schedule's 0 would fail
+    assert "num_speculative_tokens_per_batch_size" not in engine_snippets(suffix)["vllm"]["speculative_config"]
+    (cap,) = [n for n in engine_notes(suffix)["vllm"] if "concurrency cap" in n]
+    assert cap.startswith("no concurrency cap written") and "above batch size 8" in cap
+
+
+def test_a_lookups_draft_rules_coincide():
+    """q is one-hot: `sample` is the greedy rule, nothing to write and nothing to note."""
+    for kind, knobs in (("ngram", NGRAM), ("suffix", SUFFIX)):
+        setting = ServingSetting(None, 4, kind=kind, knobs=knobs, draft_rule="sample")
+        assert "draft_sample_method" not in engine_snippets(setting)["vllm"]["speculative_config"]
+        assert rule_difference(setting) is None
+        notes = [n for ns in engine_notes(setting).values() for n in ns]
+        assert not any("greedily" in n or "draft_sample_method" in n for n in notes)
+    assert kind_difference(ServingSetting("/d", 4)) is None
+
+
+def test_an_unserved_engine_keeps_its_other_settings_and_loses_the_speculative_ones():
+    """promote merges an empty snippet as the target alone: the old --speculative-* flags and speculative_config go,
+    the engine's other settings stay."""
+    old = {
+        "sglang": ["--tp", 2, "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", 3],
+        "trtllm": {"speculative_config": {"decoding_type": "Eagle3"}, "max_batch_size": 8},
+    }
+    engines = _merge_engines(old, engine_snippets(ServingSetting(None, 4, kind="suffix", knobs=SUFFIX)))
+    assert engines["sglang"] == ["--tp", 2] and engines["trtllm"] == {"max_batch_size": 8}
+    assert engines["vllm"]["speculative_config"]["method"] == "suffix"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"draft": "/d", "kind": "ngram", "knobs": NGRAM}, "has no folder"),
+        ({"draft": None, "kind": "standalone"}, "needs its folder"),
+        ({"draft": None, "kind": "ngram"}, "required for kind ngram"),
+        ({"draft": "/d", "kind": "standalone", "knobs": NGRAM}, "none for a model draft"),
+        ({"draft": None, "kind": "ngram", "knobs": {**NGRAM, "n": 3}}, "unknown ['n']"),
+        ({"draft": None, "kind": "suffix", "knobs": {"max_depth": 24}}, "missing ['max_spec_factor'"),
+        ({"draft": None, "kind": "ngram", "knobs": {"prompt_lookup_max": 2, "prompt_lookup_min": 3}}, "out of range"),
+        ({"draft": None, "kind": "suffix", "knobs": {**SUFFIX, "min_token_prob": 1.5}}, "out of range"),
+        ({"draft": None, "kind": "suffix", "knobs": {**SUFFIX, "max_depth": 2.5}}, "out of range"),
+    ],
+)
+def test_a_lookup_setting_is_checked(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServingSetting(num_draft_tokens=4, **kwargs)

@@ -129,10 +129,11 @@ def test_the_suffix_draft_remembers_other_prompts_and_withholds_a_repeat():
 def test_knobs_are_validated_and_parsed():
     assert lookup_draft("ngram") == NgramDraft()
     assert lookup_draft("ngram:max=5,min=1") == NgramDraft(5, 1)
-    assert lookup_draft("suffix:depth=8,factor=2,prob=0.2").knobs() == {
+    assert lookup_draft("suffix:depth=8,factor=2,prob=0.2,cached=5").knobs() == {
         "max_depth": 8,
         "max_spec_factor": 2.0,
         "min_token_prob": 0.2,
+        "max_cached_requests": 5,
     }
     for bad, says in [
         ("ngram:max=1,min=2", "prompt_lookup_min <= prompt_lookup_max"),
@@ -272,7 +273,7 @@ def test_eval_measures_free_drafts_next_to_a_model_per_category(tmp_path):
     assert [s["tree"] for s in by_name["tiny"]["settings"]] == [None, None, "2,2"]
     for cand in report["candidates"]:
         for s in cand["settings"]:
-            for category, stats in s["by_category"].items():
+            for stats in s["by_category"].values():
                 assert stats["units"] == 2 and stats["speedup_ci"][0] <= stats["speedup"] <= stats["speedup_ci"][1]
     temperature, rule, kinds, rows = kind_wins(report)
     assert kinds == ["ngram", "standalone", "suffix"] and [r[0] for r in rows] == ["plain", "repeats"]
@@ -296,3 +297,47 @@ def test_bench_compares_ngram_with_hf_prompt_lookup_and_skips_hf_for_suffix(tmp_
     assert ngram["speedup_vs_hf_assisted"] is not None and ngram["speculative"]["new_tokens"] == 24
     suffix = run_bench(target, lookup_draft("suffix"), tokenizer, prompts, **kwargs)
     assert "no suffix decoding" in suffix["hf_assisted"]["skipped"] and suffix["speedup_vs_hf_assisted"] is None
+
+
+# --------------------------------------------------------------------------------------------------- promotion
+
+
+@pytest.mark.parametrize("spec", ["ngram:max=3,min=2", "suffix:depth=16,factor=2,prob=0.2,cached=50"])
+def test_promoting_a_free_draft_writes_each_engines_lookup_and_exports_nothing(tmp_path, spec):
+    """A report recommending a zero-training draft: serving.yaml names it by its spec and knobs, vLLM gets its
+    lookup method with our knobs under its names, an engine that cannot serve the kind gets no speculative setting
+    and a `not served:` note, and no folder is exported (there are no weights)."""
+    import json
+
+    import yaml
+    from test_promote import write_report
+
+    from eval.promote import promote
+
+    report_path = write_report(tmp_path)
+    report = json.loads(report_path.read_text())
+    report["recommendation"].update(name=spec, draft=spec, kind=spec.partition(":")[0])
+    report_path.write_text(json.dumps(report))
+    serving, export_root = tmp_path / "serving.yaml", tmp_path / "export"
+    summary = promote(report_path, serving, export_root=export_root)
+    cfg = yaml.safe_load(serving.read_text())
+    speculative, vllm = cfg["speculative"], cfg["engines"]["vllm"]["speculative_config"]
+    assert spec in summary and speculative["draft"] == spec and speculative["enabled"] is True
+    assert speculative["knobs"] == lookup_draft(spec).knobs() and not export_root.exists()
+    text = serving.read_text()
+    if spec.startswith("ngram"):
+        assert speculative["kind"] == "ngram" and vllm["method"] == "ngram"
+        assert (vllm["prompt_lookup_max"], vllm["prompt_lookup_min"], vllm["num_speculative_tokens"]) == (3, 2, 4)
+        assert cfg["engines"]["trtllm"]["speculative_config"]["decoding_type"] == "NGram"
+    else:
+        assert speculative["kind"] == "suffix" and vllm["method"] == "suffix"
+        assert vllm["suffix_decoding_max_tree_depth"] == 16 and vllm["suffix_decoding_min_token_prob"] == 0.2
+        assert vllm["suffix_decoding_max_cached_requests"] == 50
+        assert "# not served: SGLang has no suffix decoding" in text and "# not served: TensorRT-LLM" in text
+        assert cfg["engines"]["sglang"] == [] and cfg["engines"]["trtllm"] == {}
+        assert "cannot serve the measured suffix draft" in speculative["reason"]
+    edited = {**report["recommendation"], "draft": "ngram:size=3", "kind": "ngram"}
+    report_path.write_text(json.dumps({**report, "recommendation": edited}))
+    with pytest.raises(UserError, match="ngram takes max, min"):
+        promote(report_path, tmp_path / "other.yaml")
+    assert not (tmp_path / "other.yaml").exists()
