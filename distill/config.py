@@ -3,10 +3,48 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 OBJECTIVES = ("forward_kl", "reverse_kl", "jsd", "tv", "ce")
+
+
+@dataclass
+class EndpointConfig:
+    """An OpenAI-compatible server that writes the teacher's responses (`data.generator: endpoint`)."""
+
+    url: str = ""
+    """Base URL of the server's OpenAI API, ending in /v1, e.g. http://localhost:8000/v1 (not in the data's
+    fingerprint: the same server may move)."""
+    model: str = ""
+    """The model name the server serves (its /v1/models id, vLLM's --served-model-name); in the data's fingerprint."""
+    api_key_env: str = ""
+    """Name of the environment variable holding the server's API key (sent as a bearer token), e.g. OPENAI_API_KEY;
+    never the key itself. Empty: no key."""
+    max_concurrency: int = 256
+    """Requests in flight at once, over all processes: enough to keep the server's batches full."""
+    timeout_s: float = 600.0
+    """Seconds one request may take (queueing on a busy server included) before it is retried."""
+    retries: int = 3
+    """Retries of a request after a timeout, a lost connection or a 5xx/429 answer, with exponential backoff."""
+
+    def __post_init__(self) -> None:
+        if self.url and not re.match(r"https?://[^/\s]+", self.url):
+            raise ValueError(
+                f"url must start with http:// or https://, e.g. http://localhost:8000/v1, got {self.url!r}"
+            )
+        if self.api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            raise ValueError(
+                "api_key_env names an environment variable (e.g. OPENAI_API_KEY) that holds the key, never the key "
+                "itself; export the key in a variable and give its name"
+            )
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
 
 
 @dataclass
@@ -45,6 +83,12 @@ class DataConfig:
     """Also store the teacher's top-k log-probs per response token, so distillation runs without the teacher."""
     teacher_cache_top_k: int = 32
     """k of the offline teacher cache."""
+    generator: Literal["runtime", "endpoint"] = "runtime"
+    """Who writes the teacher's responses: runtime (our engine, with the target loaded here) or endpoint (any
+    OpenAI-compatible server: vLLM, SGLang, TGI, llama.cpp, transformers serve; see data.endpoint). The scoring pass
+    (teacher_cache, EAGLE-3 hidden states) is always our target's forward."""
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    """The server of data.generator=endpoint."""
 
     def __post_init__(self) -> None:
         if isinstance(self.prompts, list):
@@ -69,6 +113,13 @@ class DataConfig:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.generator == "endpoint":
+            missing = [name for name in ("url", "model") if not getattr(self.endpoint, name)]
+            if missing:
+                raise ValueError(
+                    f"generator=endpoint needs endpoint.{missing[0]}, e.g. data.endpoint.url=http://localhost:8000/v1 "
+                    "data.endpoint.model=<the served model name>"
+                )
 
 
 def _check_sources(sources: list) -> None:

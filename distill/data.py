@@ -19,6 +19,14 @@ with its own seeded generator, so the tokens depend neither on the process count
 of whole batches (about shard_size prompts, fewer when that would leave a process without one), written to
 `shards/.tmp-shard-<first batch>` and renamed to `shards/shard-<first batch>`, so a killed run resumes at the first
 missing shard with nothing lost or repeated, and writes the same tokens an uninterrupted one would.
+
+With `data.generator: endpoint` the responses come from an OpenAI-compatible server instead (distill/endpoint.py
+asks and stores): each row, keyed by its index, lands in `<out_dir>/<split>-responses-<key>/` as it arrives, and
+only the rows of this process's missing shards that are not stored yet are asked for; the shards are then written
+from the stored responses as above (the scoring pass is our teacher's), in the same format.
+
+    specdistill data CONFIG data.generator=endpoint data.endpoint.url=http://localhost:8000/v1 \
+        data.endpoint.model=NAME [--fetch-only]    # --fetch-only: the responses alone, no weights loaded
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from distill.config import DataConfig
+from distill.endpoint import Fetcher, Request, Sampling, endpoint_summary, response_store
 from distill.prompt_roles import training_prompts, validation_prompts
 from distill.prompts import SELF_INSTRUCT, PromptRecord, load_prompts, render_chat, save_prompts
 from distill.self_instruct import self_instruct_prompts
@@ -107,8 +116,9 @@ def generate_teacher_data(
     """Generate (or find cached) teacher answers to the training and validation prompts.
 
     The answers are decoded by `specdec_runtime.backends.fast_model(teacher, backend)` (on the CPU the runtime's
-    fast CPU path, `target.cpu_fast_path`, its steps compiled with `target.cpu_compile`: `TargetConfig.backend`);
-    the top-k cache and hidden states come from the HF teacher itself.
+    fast CPU path, `target.cpu_fast_path`, its steps compiled with `target.cpu_compile`: `TargetConfig.backend`), or
+    with data.generator=endpoint asked of the server (those already stored are not asked again); the top-k cache
+    and hidden states come from the HF teacher itself.
 
     `aux_layers` (HF output_hidden_states indices): with the offline cache on, also store the teacher's hidden
     states there, fp16, at every position (`AUX_HIDDEN`), for EAGLE-3 candidates that train from the cache.
@@ -130,38 +140,59 @@ def generate_teacher_data(
     out_dir = Path(out_dir)
     stop_ids = list(stop_token_ids(teacher, tokenizer))
     job = dict(cfg=cfg, out_dir=out_dir, teacher_id=teacher_id, seed=seed, stop_ids=stop_ids, rank=rank)
-    decoder = fast_model(teacher, backend)  # the model the engine decodes with
+    # The model the engine decodes with; with an endpoint only self_instruct decodes here, on the HF teacher.
+    decoder = fast_model(teacher, backend) if cfg.generator == "runtime" else teacher
     write_self_instruct = functools.partial(_self_instruct_records, decoder, tokenizer, barrier=barrier, **job)
-    # The split names are in the fingerprints and batch seeds: renaming one would regenerate every run's data.
-    splits = {
-        "teacher": (
-            cfg.prompts,
-            training_prompts(cfg, self_instruct=write_self_instruct, log=print if rank == 0 else None),
-        ),
-        "teacher-eval": (cfg.validation_prompts, validation_prompts(cfg)),
-    }
-    prompt_ids = {}
-    for split, (source, records) in splits.items():  # every check before any generation
-        if not records:
-            raise UserError(f"no prompts to answer from {source!r}; pass a prompt set with at least one prompt")
-        prompt_ids[split] = render_prompts(tokenizer, records, cfg.max_prompt_tokens)
-        check_context(teacher, records, prompt_ids[split], cfg.max_new_tokens)
+    context = getattr(teacher.config, "max_position_embeddings", None)
+    splits = _prompt_splits(tokenizer, cfg, context, write_self_instruct, log=print if rank == 0 else None)
+    split_job = dict(world_size=world_size, barrier=barrier, aux_layers=aux_layers if cfg.teacher_cache else None)
     with _datasets_bars_off():
-        paths = {
-            split: _generate_split(
-                split,
-                records,
-                prompt_ids[split],
-                teacher,
-                decoder,
-                world_size=world_size,
-                barrier=barrier,
-                aux_layers=aux_layers if cfg.teacher_cache else None,
-                **job,
-            )
-            for split, (_, records) in splits.items()
-        }
+        if cfg.generator == "runtime":
+            paths = {
+                split: _generate_split(split, records, ids, teacher, decoder, **split_job, **job)
+                for split, (records, ids) in splits.items()
+            }
+        else:
+            fetch = _fetcher(tokenizer, cfg, stop_ids, rank, world_size)
+            paths = {
+                split: _endpoint_split(split, records, ids, teacher, fetch, **split_job, **job)
+                for split, (records, ids) in splits.items()
+            }
     return TeacherData(train=paths["teacher"], validation=paths["teacher-eval"])
+
+
+def fetch_teacher_responses(
+    tokenizer,
+    cfg: DataConfig,
+    out_dir: Path,
+    *,
+    context: int | None,
+    stop_ids: list[int],
+    teacher_id: str,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+) -> list[Path]:
+    """`specdistill data --fetch-only` (data.generator=endpoint): ask the server for every missing response of both
+    splits and store it, with no model weights loaded (the server may hold every GPU). The scoring pass, the shards
+    and the merged datasets come with the next `generate_teacher_data`, which finds the responses stored.
+
+    `context` (the target's max_position_embeddings) and `stop_ids` (`stop_token_ids`) stand in for the model."""
+    if cfg.generator != "endpoint":
+        raise UserError("--fetch-only collects the responses of a server: set data.generator=endpoint")
+    out_dir = Path(out_dir)
+    job = dict(cfg=cfg, out_dir=out_dir, teacher_id=teacher_id, seed=seed, stop_ids=stop_ids, rank=rank)
+    write_self_instruct = functools.partial(_self_instruct_records, None, tokenizer, barrier=barrier, **job)
+    splits = _prompt_splits(tokenizer, cfg, context, write_self_instruct, log=print if rank == 0 else None)
+    fetch, stores = _fetcher(tokenizer, cfg, stop_ids, rank, world_size), []
+    for split, (records, ids) in splits.items():
+        rows = _rows_of(records, ids, cfg)
+        spans = [span for _, span in shard_spans(len(rows), cfg, world_size)]
+        mine = [i for s in shards_for_rank(len(spans), rank, world_size) for i in range(spans[s].start, spans[s].stop)]
+        stores.append(response_store(out_dir, split, records, ids, cfg, seed, stop_ids))
+        fetch(stores[-1], mine, functools.partial(_request, rows, seed, split), desc=split)
+    return stores
 
 
 def load_teacher_data(path: Path) -> datasets.Dataset:
@@ -179,9 +210,28 @@ def load_teacher_data(path: Path) -> datasets.Dataset:
 # Leaf functions
 
 
-def check_context(teacher, records: list[PromptRecord], prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+def _prompt_splits(
+    tokenizer, cfg: DataConfig, context: int | None, self_instruct, *, log
+) -> dict[str, tuple[list[PromptRecord], list[list[int]]]]:
+    """{split: (records, chat-templated prompt ids)} of the training and validation prompts, every prompt checked
+    before any generation. The split names are in the fingerprints and seeds: renaming one regenerates all data."""
+    splits = {
+        "teacher": (cfg.prompts, training_prompts(cfg, self_instruct=self_instruct, log=log)),
+        "teacher-eval": (cfg.validation_prompts, validation_prompts(cfg)),
+    }
+    out = {}
+    for split, (source, records) in splits.items():
+        if not records:
+            raise UserError(f"no prompts to answer from {source!r}; pass a prompt set with at least one prompt")
+        out[split] = (records, render_prompts(tokenizer, records, cfg.max_prompt_tokens))
+        check_context(context, records, out[split][1], cfg.max_new_tokens)
+    return out
+
+
+def check_context(
+    context: int | None, records: list[PromptRecord], prompt_ids: list[list[int]], max_new_tokens: int
+) -> None:
     """Refuse, before any generation, a prompt whose answer could run past the teacher's context window."""
-    context = getattr(teacher.config, "max_position_embeddings", None)
     if not context:
         return
     longest = max(range(len(records)), key=lambda i: len(prompt_ids[i]))
@@ -270,6 +320,23 @@ def fingerprint(
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def endpoint_fingerprint(
+    split: str, responses: str, cfg: DataConfig, teacher_id: str, teacher_dtype: str, aux_layers: list[int] | None
+) -> str:
+    """sha256[:12] of an endpoint's finished split: its responses (`endpoint.response_store`) and what our target's
+    scoring pass adds to them."""
+    key = {
+        "format": FORMAT_VERSION,
+        "split": split,
+        "responses": responses,
+        "teacher": teacher_id,
+        "dtype": teacher_dtype,
+        "teacher_cache": cfg.teacher_cache_top_k if cfg.teacher_cache else 0,
+        "aux_layers": aux_layers or [],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def batch_seed(seed: int, split: str, first: int, batch: int) -> int:
     """The seed of batch `batch` of the shard starting at batch `first`, one per (split, first + batch): the tokens
     never depend on the shard layout, the process count, or which run wrote them."""
@@ -301,25 +368,11 @@ def _generate_split(
     dtype = str(next(teacher.parameters()).dtype)
     key = fingerprint(split, records, prompt_ids, cfg, teacher_id, dtype, seed, stop_ids, aux_layers)
     root = out_dir / f"{split}-{key}"
-    aux_width = len(aux_layers) * teacher.config.hidden_size if aux_layers else None
-    if (root / COMPLETE).is_file():
-        damage = _check_merged(root)  # every rank reads it before rank 0 removes anything
-        if damage is None:
-            if rank == 0:
-                print(f"{split}: cached, {_summary(json.loads((root / COMPLETE).read_text()), root)}")
-            return root
-        if barrier is not None:
-            barrier()
-        if rank == 0:
-            print(f"{split}: the cached data in {root} is damaged ({damage}); generating it again")
-            shutil.rmtree(root)
-        if barrier is not None:
-            barrier()
-
-    rows = [(r, ids, s) for r, ids in zip(records, prompt_ids) for s in range(cfg.num_samples)]
+    if _cached(root, split, rank, barrier):
+        return root
+    rows = _rows_of(records, prompt_ids, cfg)
     shards = shard_spans(len(rows), cfg, world_size)
-    mine = [shards[i] for i in shards_for_rank(len(shards), rank, world_size)]
-    todo = [(b, span) for b, span in mine if not _shard_done(root / "shards" / shard_name(b), span, split)]
+    todo = _shards_todo(root, shards, split, rank, world_size)
     with tqdm(total=sum(span.stop - span.start for _, span in todo), desc=split, unit="seq", disable=rank != 0) as bar:
         for b, span in todo:
             columns = _generate_shard(
@@ -332,15 +385,111 @@ def _generate_split(
                 bar.update,
                 aux_layers,
             )
-            _write_atomic(
-                datasets.Dataset.from_dict(columns, features=features(_cache_k(cfg), aux_width)),
-                root / "shards" / shard_name(b),
-            )
+            _write_atomic(_shard_dataset(columns, cfg, teacher, aux_layers), root / "shards" / shard_name(b))
+    return _finish(root, split, shards, len(records), cfg, rank=rank, barrier=barrier, aux_layers=aux_layers)
+
+
+def _endpoint_split(
+    split: str,
+    records: list[PromptRecord],
+    prompt_ids: list[list[int]],
+    teacher,
+    fetch: Fetcher,
+    *,
+    cfg: DataConfig,
+    out_dir: Path,
+    teacher_id: str,
+    seed: int,
+    stop_ids: list[int],
+    rank: int,
+    world_size: int,
+    barrier: Callable[[], None] | None,
+    aux_layers: list[int] | None,
+) -> Path:
+    """`_generate_split` with the responses of a server (distill/endpoint.py): the rows of this rank's missing
+    shards are asked for (those already stored are not), then scored by our teacher and written as shards alike."""
+    store = response_store(out_dir, split, records, prompt_ids, cfg, seed, stop_ids)
+    dtype = str(next(teacher.parameters()).dtype)
+    root = out_dir / f"{split}-{endpoint_fingerprint(split, store.name, cfg, teacher_id, dtype, aux_layers)}"
+    if _cached(root, split, rank, barrier):
+        return root
+    rows = _rows_of(records, prompt_ids, cfg)
+    shards = shard_spans(len(rows), cfg, world_size)
+    todo = _shards_todo(root, shards, split, rank, world_size)
+    wanted = [i for _, span in todo for i in range(span.start, span.stop)]
+    responses = fetch(store, wanted, functools.partial(_request, rows, seed, split), desc=split)
+    where = responses["row"].to_numpy()
+    quiet = rank != 0 or not cfg.teacher_cache  # without the cache the shards are written in a blink
+    with tqdm(total=sum(span.stop - span.start for _, span in todo), desc=f"{split} scoring", disable=quiet) as bar:
+        for b, span in todo:
+            answers = responses["ids"].take(np.searchsorted(where, np.arange(span.start, span.stop))).to_pylist()
+            columns = _empty_columns(cfg, aux_layers)
+            for start in range(0, len(answers), cfg.batch_size):  # scoring batches, as the runtime's
+                batch, new = rows[span][start : start + cfg.batch_size], answers[start : start + cfg.batch_size]
+                _append_rows(columns, teacher, batch, new, cfg, aux_layers)
+                bar.update(len(batch))
+            _write_atomic(_shard_dataset(columns, cfg, teacher, aux_layers), root / "shards" / shard_name(b))
+    generator = functools.partial(endpoint_summary, store, cfg.endpoint.model)  # read once every rank has fetched
+    job = dict(rank=rank, barrier=barrier, aux_layers=aux_layers, generator=generator)
+    return _finish(root, split, shards, len(records), cfg, **job)
+
+
+def _rows_of(records: list[PromptRecord], prompt_ids: list[list[int]], cfg: DataConfig) -> list[tuple]:
+    """Every (prompt, prompt ids, sample) row of a split, in order: row i is the i-th of the split's data."""
+    return [(r, ids, s) for r, ids in zip(records, prompt_ids) for s in range(cfg.num_samples)]
+
+
+def _cached(root: Path, split: str, rank: int, barrier: Callable[[], None] | None) -> bool:
+    """Whether `root` is a finished split, intact; a damaged one is said and removed (every rank reads it before
+    rank 0 removes anything)."""
+    if not (root / COMPLETE).is_file():
+        return False
+    damage = _check_merged(root)
+    if damage is None:
+        if rank == 0:
+            print(f"{split}: cached, {_summary(json.loads((root / COMPLETE).read_text()), root)}")
+        return True
+    if barrier is not None:
+        barrier()
+    if rank == 0:
+        print(f"{split}: the cached data in {root} is damaged ({damage}); generating it again")
+        shutil.rmtree(root)
+    if barrier is not None:
+        barrier()
+    return False
+
+
+def _shards_todo(root: Path, shards: list[tuple[int, slice]], split: str, rank: int, world_size: int) -> list:
+    """This rank's shards that are not written whole yet."""
+    mine = [shards[i] for i in shards_for_rank(len(shards), rank, world_size)]
+    return [(b, span) for b, span in mine if not _shard_done(root / "shards" / shard_name(b), span, split)]
+
+
+def _shard_dataset(columns: dict, cfg: DataConfig, teacher, aux_layers: list[int] | None) -> datasets.Dataset:
+    aux_width = len(aux_layers) * teacher.config.hidden_size if aux_layers else None
+    return datasets.Dataset.from_dict(columns, features=features(_cache_k(cfg), aux_width))
+
+
+def _finish(
+    root: Path,
+    split: str,
+    shards: list[tuple[int, slice]],
+    num_prompts: int,
+    cfg: DataConfig,
+    *,
+    rank: int,
+    barrier: Callable[[], None] | None,
+    aux_layers: list[int] | None,
+    generator: Callable[[], dict] | None = None,
+) -> Path:
+    """Once every rank has written its shards, rank 0 merges them (with `generator()`, where the responses came
+    from, in the marker); every rank returns once the merge exists."""
     if barrier is not None:
         barrier()
     if rank == 0:
         names = [shard_name(b) for b, _ in shards]
-        summary = _merge(root, names, num_prompts=len(records), num_samples=cfg.num_samples, aux_layers=aux_layers)
+        job = dict(num_prompts=num_prompts, num_samples=cfg.num_samples, aux_layers=aux_layers)
+        summary = _merge(root, names, **job, generator=generator() if generator else None)
         print(f"{split}: {_summary(summary, root)}")
     if barrier is not None:
         barrier()  # the other ranks return only once the merged dataset exists
@@ -432,7 +581,7 @@ def _generate_shard(
     """Columns of one shard: its (prompt, prompt ids, sample) rows, generated batch_size sequences at a time by
     `decoder` (the teacher, or its fast runtime model); the top-k cache comes from the HF teacher."""
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    columns: dict[str, list] = {name: [] for name in features(_cache_k(cfg), 1 if aux_layers else None)}
+    columns = _empty_columns(cfg, aux_layers)
     for b, start in enumerate(range(0, len(rows), cfg.batch_size)):
         batch = rows[start : start + cfg.batch_size]
         generator = torch.Generator(device=teacher.device).manual_seed(seed_of(b))
@@ -445,20 +594,32 @@ def _generate_shard(
             stop_token_ids=stop_ids,
             generator=generator,
         )
-        seqs = [ids + new for (_, ids, _), new in zip(batch, result.tokens)]
-        columns["id"] += [f"{r.id}#{s}" for r, _, s in batch]
-        columns["category"] += [r.category for r, _, _ in batch]
-        columns["input_ids"] += [np.asarray(seq, dtype=np.int32) for seq in seqs]
-        columns["prompt_len"] += [len(ids) for _, ids, _ in batch]
-        if cfg.teacher_cache:
-            prompt_lens, k = [len(ids) for _, ids, _ in batch], cfg.teacher_cache_top_k
-            logprobs, ids, aux = _teacher_topk(teacher, seqs, prompt_lens, k, aux_layers)
-            columns["topk_logprobs"] += logprobs
-            columns["topk_ids"] += ids
-            if aux_layers:
-                columns[AUX_HIDDEN] += aux
+        _append_rows(columns, teacher, batch, result.tokens, cfg, aux_layers)
         progress(len(batch))
     return columns
+
+
+def _empty_columns(cfg: DataConfig, aux_layers: list[int] | None) -> dict[str, list]:
+    return {name: [] for name in features(_cache_k(cfg), 1 if aux_layers else None)}
+
+
+def _append_rows(
+    columns: dict, teacher, batch: list[tuple], responses: list[list[int]], cfg: DataConfig, aux_layers
+) -> None:
+    """Append a batch of (prompt, prompt ids, sample) rows and their response ids to `columns`; with the offline
+    cache on, the teacher's top-k (and aux hidden states) over prompt + response come from one scoring forward."""
+    seqs = [ids + list(new) for (_, ids, _), new in zip(batch, responses)]
+    columns["id"] += [f"{r.id}#{s}" for r, _, s in batch]
+    columns["category"] += [r.category for r, _, _ in batch]
+    columns["input_ids"] += [np.asarray(seq, dtype=np.int32) for seq in seqs]
+    columns["prompt_len"] += [len(ids) for _, ids, _ in batch]
+    if cfg.teacher_cache:
+        prompt_lens, k = [len(ids) for _, ids, _ in batch], cfg.teacher_cache_top_k
+        logprobs, ids, aux = _teacher_topk(teacher, seqs, prompt_lens, k, aux_layers)
+        columns["topk_logprobs"] += logprobs
+        columns["topk_ids"] += ids
+        if aux_layers:
+            columns[AUX_HIDDEN] += aux
 
 
 SCORE_ROWS = 8
@@ -509,7 +670,9 @@ def _write_atomic(ds: datasets.Dataset, path: Path) -> None:
         write_text(tmp / MANIFEST, json.dumps({"rows": ds.num_rows, "files": _file_digests(tmp)}))
 
 
-def _merge(root: Path, shards: list[str], *, num_prompts: int, num_samples: int, aux_layers=None) -> dict:
+def _merge(
+    root: Path, shards: list[str], *, num_prompts: int, num_samples: int, aux_layers=None, generator=None
+) -> dict:
     """Concatenate the shards into `root`, write the marker last, then drop the shards."""
     paths = [root / "shards" / name for name in shards]
     missing = [p.name for p in paths if not p.is_dir()]
@@ -523,6 +686,8 @@ def _merge(root: Path, shards: list[str], *, num_prompts: int, num_samples: int,
     lengths = pc.list_value_length(ds.data.column("input_ids"))
     tokens = pc.sum(lengths).as_py() - pc.sum(ds.data.column("prompt_len")).as_py()
     summary = {"prompts": num_prompts, "samples": num_samples, "rows": len(ds), "response_tokens": tokens}
+    if generator is not None:  # where the responses came from and what of the settings the server could not honour
+        summary["generator"] = generator
     summary["files"] = _file_digests(root, checksums=False)
     if "topk_ids" in ds.column_names:
         summary["cache_bytes_per_token"] = _cache_bytes_per_token(ds.data)
@@ -577,6 +742,20 @@ def _datasets_bars_off() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Responses from an OpenAI-compatible server (data.generator=endpoint; the client is distill/endpoint.py)
+
+
+def _fetcher(tokenizer, cfg: DataConfig, stop_ids: list[int], rank: int, world_size: int) -> Fetcher:
+    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+    return Fetcher(cfg.endpoint, tokenizer, sampling, stop_ids, rank=rank, world_size=world_size)
+
+
+def _request(rows: list[tuple], seed: int, split: str, row: int) -> Request:
+    """Row `row`'s request; its seed is one per (seed, split, row), 31 bits (llama.cpp takes a uint32)."""
+    return Request(row, rows[row][1], batch_seed(seed, split, 0, row) >> 32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Self-instruct: the teacher writes the prompts (once; every rank and every resumed run reads the same file)
 
 
@@ -595,6 +774,11 @@ def _self_instruct_records(
     settings = [cfg.self_instruct_count, cfg.max_new_tokens, cfg.batch_size]  # these decide the written prompts
     key = hashlib.sha256(json.dumps([FORMAT_VERSION, teacher_id, seed, settings]).encode())
     path = out_dir / f"{SELF_INSTRUCT}-{key.hexdigest()[:12]}.jsonl"
+    if teacher is None and not path.is_file():  # --fetch-only: no model here to write them
+        raise UserError(
+            f"the {SELF_INSTRUCT} prompts are written by the target itself and {path} does not exist yet; run "
+            "`specdistill data` once without --fetch-only, or drop self_instruct from data.prompts"
+        )
     if not path.is_file() and rank == 0:
         generator = torch.Generator(device=teacher.device).manual_seed(seed)
 

@@ -28,7 +28,9 @@ EXAMPLES = {
     "bench": "example: specdistill bench --target embedded:smollm2-135m-instruct --draft runs/quickstart/export/"
     "trunc4-fkl --prompts builtin:test --num-prompts 8 --num-draft-tokens 4 --json bench.json",
     "data": "example: specdistill data configs/quickstart.yaml data.max_prompts=50\n"
-    "         torchrun --nproc_per_node 2 -m specdistill data configs/smoke.yaml",
+    "         torchrun --nproc_per_node 2 -m specdistill data configs/smoke.yaml\n"
+    "         specdistill data CONFIG data.generator=endpoint data.endpoint.url=http://localhost:8000/v1 "
+    "data.endpoint.model=MODEL --fetch-only",
     "distill": "example: specdistill distill configs/quickstart.yaml train.max_steps=100\n"
     "         accelerate launch --config_file configs/accelerate/ddp.yaml -m specdistill distill CONFIG\n"
     "         torchrun --nproc_per_node 2 -m specdistill distill configs/smoke.yaml   (CPU, gloo)",
@@ -117,6 +119,13 @@ def _parser() -> argparse.ArgumentParser:
         )
         stage.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
         stage.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+        if name == "data":
+            stage.add_argument(
+                "--fetch-only",
+                action="store_true",
+                help="data.generator=endpoint: only collect the server's responses, loading no model weights (the "
+                "server may hold every GPU); the scoring pass runs with the next `data`, `distill` or `run`",
+            )
         if name == "run":
             stage.add_argument(
                 "--force",
@@ -239,18 +248,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_config(args: argparse.Namespace) -> None:
-    from specdistill.config import RootConfig, dump_yaml, field_docs, load_config
+    from specdistill.config import dump_yaml, field_docs, load_config
 
     cfg = load_config(args.config, args.overrides)
     if not args.docs:
         print(dump_yaml(cfg), end="")
         return
-    for section in field_docs(RootConfig):
-        value = getattr(cfg, section)
-        docs = field_docs(type(value)) if hasattr(value, "__dataclass_fields__") else {section: ""}
-        for key, doc in docs.items():
-            name = f"{section}.{key}" if key != section else key
-            print(f"{name}: {' '.join(doc.split())}")
+
+    def show(obj, prefix: str) -> None:  # sections and sub-sections (data.endpoint) list their own keys
+        for key, doc in field_docs(type(obj)).items():
+            value = getattr(obj, key)
+            if hasattr(value, "__dataclass_fields__"):
+                show(value, f"{prefix}{key}.")
+            else:
+                print(f"{prefix}{key}: {' '.join(doc.split())}")
+
+    show(cfg, "")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -369,12 +382,16 @@ def _stage_config(args: argparse.Namespace):
 
 
 def cmd_data(args: argparse.Namespace) -> None:
-    from specdistill.pipeline import check_prompt_roles, dist_state, print0, run_lock, stage_data
+    from specdistill.pipeline import check_prompt_roles, dist_state, fetch_responses_stage, print0, run_lock, stage_data
 
     cfg = _stage_config(args)
     check_prompt_roles(cfg)  # before the lock writes anything
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
     with run_lock(cfg.output_dir, dist):
+        if args.fetch_only:
+            stores = fetch_responses_stage(cfg, dist)
+            print0(dist, f"responses: {', '.join(map(str, stores))}; `specdistill data` (no --fetch-only) scores them")
+            return
         data = stage_data(cfg, dist)
     print0(dist, f"teacher data: train {data.train}, validation {data.validation}")
 

@@ -215,6 +215,40 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
     )
 
 
+def fetch_responses_stage(cfg: RootConfig, dist: Dist) -> list[Path]:
+    """`specdistill data --fetch-only` (data.generator=endpoint): the server's responses, stored for a later `data`
+    to score, with no model weights loaded: the tokenizer, config and generation config of the target only, since the
+    server may hold every GPU. Returns the folders the responses are in."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from distill.data import fetch_teacher_responses
+    from specdec_runtime.loading import load_config, load_tokenizer, model_identity, resolve_model_path, stop_token_ids
+
+    check_prompt_roles(cfg)
+    spec, trust = cfg.target.model, cfg.target.trust_remote_code
+    with dist.state.main_process_first():  # rank 0 converts a GGUF once; the others read the cache
+        tokenizer, config = load_tokenizer(spec, trust_remote_code=trust), load_config(spec, trust_remote_code=trust)
+        teacher_id, (path, _) = model_identity(spec), resolve_model_path(spec)
+    try:  # what load_model gives the model: generation_config.json, else the defaults of its config
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation = GenerationConfig.from_model_config(config)
+    return fetch_teacher_responses(
+        tokenizer,
+        cfg.data,
+        Path(cfg.output_dir) / "data",
+        context=getattr(config, "max_position_embeddings", None),
+        stop_ids=list(stop_token_ids(SimpleNamespace(generation_config=generation), tokenizer)),
+        teacher_id=teacher_id,
+        seed=cfg.seed,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        barrier=dist.barrier,
+    )
+
+
 def check_prompt_roles(cfg: RootConfig) -> None:
     """Refuse to start a run whose test prompts (the first eval.max_prompts of eval.prompts) overlap its training or
     validation prompts: DESIGN.md's three prompt roles stay disjoint."""
@@ -315,9 +349,26 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()} or {prefix: {}}
 
 
+def _data_identity(resolved: dict) -> dict:
+    """`resolved` (a to_dict'ed config) with its data section as the DONE fingerprint and the resume check see it:
+    with data.generator=runtime (the default) without the generator keys, as configs were before they existed, so
+    finished candidates stay finished; with an endpoint, of data.endpoint only the served model (its url, key,
+    concurrency, timeout and retries say how the server is reached, not what it answers)."""
+    data = resolved.get("data")
+    if not isinstance(data, dict):
+        return resolved
+    data = dict(data)
+    if data.get("generator", "runtime") == "runtime":
+        data.pop("generator", None)
+        data.pop("endpoint", None)
+    else:
+        data["endpoint"] = {"model": (data.get("endpoint") or {}).get("model")}
+    return {**resolved, "data": data}
+
+
 def training_fingerprint(cfg: RootConfig) -> str:
     """Hash of the sections that decide what a candidate trains (not eval, serving, tracking or output_dir)."""
-    data = to_dict(cfg)
+    data = _data_identity(to_dict(cfg))
     for key in EXECUTION_ONLY:
         section, name = key.split(".")
         data[section].pop(name)
@@ -327,6 +378,7 @@ def training_fingerprint(cfg: RootConfig) -> str:
 
 def config_drift(saved: dict, current: dict) -> list[str]:
     """Dotted keys whose values differ between a checkpoint's config and the current one and forbid a resume."""
+    saved, current = _data_identity(saved), _data_identity(current)
     old = _flatten({k: saved.get(k) for k in TRAINING_SECTIONS})
     new = _flatten({k: current.get(k) for k in TRAINING_SECTIONS})
     return sorted(
