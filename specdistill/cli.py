@@ -144,7 +144,11 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides (eval.*, serving.*, target.*)")
     ev.add_argument("--target", default=None, help="target model spec (overrides target.model)")
     ev.add_argument(
-        "--drafts", nargs="+", default=None, help="draft folders, checkpoint folders or distillation run directories"
+        "--drafts",
+        nargs="+",
+        default=None,
+        help="draft folders, checkpoint folders, distillation run directories, or the zero-training drafts "
+        "ngram[:max=N,min=N] and suffix[:depth=N,factor=F,prob=P,cached=N]",
     )
     ev.add_argument("--prompts", default=None, help="eval prompt file (prompt / messages / Spec-Bench turns)")
     ev.add_argument("--out", default=None, help="output folder (default <output_dir>/eval)")
@@ -225,7 +229,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="embedded:smollm2-135m-instruct",
         help="target model spec: HF id, local folder, .gguf file or embedded:smollm2-135m-instruct",
     )
-    p.add_argument("--draft", default=None, help="draft model spec; omit for target-only decoding")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="draft model spec, or a zero-training draft: ngram[:max=N,min=N] (prompt lookup) or "
+        "suffix[:depth=N,factor=F,prob=P,cached=N] (suffix decoding); omit for target-only decoding",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -270,24 +279,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from specdec_runtime.engine import SamplingParams, generate
-    from specdec_runtime.loading import check_vocab_compatible, load_draft_model, load_model, stop_token_ids
+    from specdec_runtime.loading import load_model, stop_token_ids
     from specdec_runtime.tree import parse_tree
 
-    if args.tree and not args.draft:
-        raise UserError("--tree needs --draft: a token tree is proposed by a draft model (omit --tree to decode alone)")
+    if args.tree and (not args.draft or _is_lookup(args.draft)):
+        raise UserError(
+            "--tree needs a draft model: a token tree is proposed by one (a lookup drafts chains; omit --tree)"
+        )
     if args.tree:
         parse_tree(args.tree)  # a bad spec fails before the models load
     _check_local_model(args.draft)
     target, tokenizer = load_model(
         args.target, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
     )
-    draft = None
-    if args.draft:
-        draft, draft_tokenizer = load_draft_model(
-            args.draft, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
-        )
-        if draft_tokenizer is not None:  # an EAGLE-3 head saved without one uses the target's ids by construction
-            check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
+    draft = _load_draft(args, tokenizer) if args.draft else None
     prompt = tokenizer.encode(args.prompt) if args.no_chat_template else chat_prompt_ids(tokenizer, args.prompt)
     if not prompt:
         raise UserError("PROMPT encodes to no tokens; give a non-empty user message")
@@ -310,9 +315,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     stats = result.stats.aggregate()
     parts = [f"new_tokens={stats['new_tokens']}", f"tokens_per_s={stats['new_tokens'] / wall:.1f}"]
     if draft is not None:
+        alpha, tau = stats["acceptance_rate"], stats["mean_accepted_length"]  # None: nothing was drafted
         parts = [
-            f"acceptance_rate={stats['acceptance_rate']:.3f}",
-            f"mean_accepted_length={stats['mean_accepted_length']:.2f}",
+            f"acceptance_rate={alpha:.3f}" if alpha is not None else "acceptance_rate=- (nothing drafted)",
+            f"mean_accepted_length={tau:.2f}" if tau is not None else "mean_accepted_length=-",
         ] + parts
         if args.tree:
             parts.insert(2, f"nodes_per_step={stats['nodes_per_step']:.1f}")
@@ -327,13 +333,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from distill.prompts import load_prompts, render_chat
     from specdec_runtime.backends import BackendOptions
     from specdec_runtime.bench import format_bench_table, run_bench
-    from specdec_runtime.loading import check_vocab_compatible, load_draft_model, load_model
+    from specdec_runtime.loading import load_model
     from specdec_runtime.tree import parse_tree
 
     if not args.draft:
         raise UserError("bench needs --draft (the target-only and HF-assisted runs are measured against it)")
     if args.json and Path(args.json).is_dir():
         raise UserError(f"--json {args.json} is a folder; give a file path, e.g. {Path(args.json) / 'bench.json'}")
+    if args.tree and _is_lookup(args.draft):
+        raise UserError("--tree needs a draft model: a lookup drafts chains; omit --tree")
     if args.tree:
         parse_tree(args.tree)  # a bad spec fails before the models load
     records = load_prompts(args.prompts, limit=args.num_prompts)
@@ -346,11 +354,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     target, tokenizer = load_model(
         args.target, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
     )
-    draft, draft_tokenizer = load_draft_model(
-        args.draft, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
-    )
-    if draft_tokenizer is not None:
-        check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
+    draft = _load_draft(args, tokenizer)
     prompts = [render_chat(tokenizer, r.messages) for r in records]
     torch.manual_seed(args.seed)
     result = run_bench(
@@ -517,11 +521,38 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def _check_local_model(spec: str | None) -> None:
-    """A draft folder's files are checked before the target loads: a corrupt one fails at once, not after a load."""
+    """A draft folder's files are checked before the target loads: a corrupt one fails at once, not after a load; so
+    is a zero-training draft's spelling."""
     from specdec_runtime.loading import check_model_files
+    from specdec_runtime.lookup import lookup_draft
 
-    if spec and Path(spec).expanduser().is_dir():
+    if spec and _is_lookup(spec):
+        lookup_draft(spec)
+    elif spec and Path(spec).expanduser().is_dir():
         check_model_files(Path(spec).expanduser())
+
+
+def _is_lookup(spec: str) -> bool:
+    """`ngram[:...]` / `suffix[:...]` names a zero-training draft, unless a folder of that name is here."""
+    from specdec_runtime.lookup import is_lookup_spec
+
+    return is_lookup_spec(spec) and not Path(spec).expanduser().exists()
+
+
+def _load_draft(args: argparse.Namespace, tokenizer):
+    """--draft: a zero-training draft (it proposes the target's own tokens), else a draft model whose vocabulary is
+    checked against the target's (an EAGLE-3 head saved without a tokenizer uses the target's ids by construction)."""
+    from specdec_runtime.loading import check_vocab_compatible, load_draft_model
+    from specdec_runtime.lookup import lookup_draft
+
+    if _is_lookup(args.draft):
+        return lookup_draft(args.draft)
+    draft, draft_tokenizer = load_draft_model(
+        args.draft, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code
+    )
+    if draft_tokenizer is not None:
+        check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
+    return draft
 
 
 def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:

@@ -198,7 +198,7 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
     check_prompt_roles(cfg)
     teacher, tokenizer, teacher_id = target or load_target(cfg, dist)
     # EAGLE-3 candidates that train from the offline cache need the teacher's aux hidden states stored in it.
-    candidates = [(c.draft, c.distill) for c in cfg.candidate_configs.values()]
+    candidates = [(c.draft, c.distill) for c in trained_configs(cfg).values()]
     aux_layers = cached_aux_layers(candidates, teacher.config.num_hidden_layers)
     return generate_teacher_data(
         teacher,
@@ -272,7 +272,7 @@ def run_distill(cfg: RootConfig, teacher_data, *, target=None) -> dict[str, Path
     from train.loop import shards_teacher
 
     best = {}
-    for name, resolved in cfg.candidate_configs.items():
+    for name, resolved in trained_configs(cfg).items():  # a zero-training draft (ngram, suffix) has nothing to train
         run = candidate_run(resolved, name)
         if is_done(run.out_dir, run.fingerprint):
             PartialState().print(f"{name}: already distilled with these settings ({run.out_dir / 'best'}); skipping")
@@ -290,7 +290,7 @@ def shards_a_teacher(cfg: RootConfig) -> bool:
     from train.checkpoint import is_done
     from train.loop import shards_teacher
 
-    for name, resolved in cfg.candidate_configs.items():
+    for name, resolved in trained_configs(cfg).items():
         run = candidate_run(resolved, name)
         if shards_teacher(run) and not is_done(run.out_dir, run.fingerprint):
             return True
@@ -451,7 +451,7 @@ def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: boo
     that is not enabled too, for inspection), write the serving config. Returns (the export or None, summary).
 
     `target`: the loaded (model, tokenizer, identity) of cfg.target; None: promote loads its config and tokenizer."""
-    from eval.promote import export_dir_for, promote
+    from eval.promote import export_dir_for, is_lookup, promote
 
     export_root = Path(cfg.output_dir) / "export"
     summary = promote(
@@ -464,7 +464,7 @@ def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: boo
         trust_remote_code=cfg.target.trust_remote_code,
     )
     rec = json.loads(report_path.read_text())["recommendation"]
-    exported = export_dir_for(rec, export_root) if rec.get("draft") else None
+    exported = export_dir_for(rec, export_root) if rec.get("draft") and not is_lookup(rec) else None
     return exported, summary
 
 
@@ -472,8 +472,24 @@ def stage_promote(cfg: RootConfig, report_path: Path, *, target=None, force: boo
 # run: every stage
 
 
+def trained_configs(cfg: RootConfig) -> dict[str, RootConfig]:
+    """The candidates distillation trains: all but the zero-training drafts (`draft.init: ngram | suffix`)."""
+    return {name: c for name, c in cfg.candidate_configs.items() if not c.draft.lookup_specs}
+
+
 def candidate_dirs(cfg: RootConfig) -> list[Path]:
-    return [Path(cfg.output_dir) / "candidates" / name for name in cfg.candidate_configs]
+    return [Path(cfg.output_dir) / "candidates" / name for name in trained_configs(cfg)]
+
+
+def lookup_candidates(cfg: RootConfig) -> dict[str, str]:
+    """Eval name -> lookup spec of every zero-training candidate: its name, or `<name>[<knobs>]` per knob setting when
+    it sweeps several (`draft.lookup_knobs`)."""
+    out = {}
+    for name, resolved in cfg.candidate_configs.items():
+        knobs, specs = resolved.draft.lookup_knobs, resolved.draft.lookup_specs
+        for k, spec in zip(knobs, specs):
+            out[name if len(specs) == 1 else f"{name}[{k or 'defaults'}]"] = spec
+    return out
 
 
 def config_candidates(cfg: RootConfig):
@@ -488,7 +504,7 @@ def config_candidates(cfg: RootConfig):
             )
         check_draft_folder(run_dir / "best")
         out.append(Candidate(name=run_dir.name, path=run_dir / "best", run_dir=run_dir))
-    return out
+    return out + [Candidate(name=name, path=None, lookup=spec) for name, spec in lookup_candidates(cfg).items()]
 
 
 def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
@@ -511,7 +527,7 @@ def eval_is_current(cfg: RootConfig, report_path: Path) -> bool:
         and "recommendation" in report
         and report["recommendation"].get("gates") == json.loads(json.dumps(recorded_gates(cfg.serving)))
         and report_path.stat().st_mtime >= newest_best
-        and sorted(c["name"] for c in report["candidates"]) == sorted(cfg.candidate_configs)
+        and sorted(c["name"] for c in report["candidates"]) == sorted([*trained_configs(cfg), *lookup_candidates(cfg)])
     )
 
 
@@ -532,9 +548,14 @@ def _run_stages(cfg: RootConfig, dist: Dist, start: float, *, force: bool) -> di
     if dist.is_main:
         save_resolved(cfg, out / "config.yaml")
     target = load_target(cfg, dist)
-    print0(dist, f"[1/4] data -> {out / 'data'}")
-    teacher_data = stage_data(cfg, dist, target)
-    print0(dist, f"[2/4] distill {len(cfg.candidate_configs)} candidate(s) -> {out / 'candidates'}")
+    trained = trained_configs(cfg)
+    if trained:
+        print0(dist, f"[1/4] data -> {out / 'data'}")
+        teacher_data = stage_data(cfg, dist, target)
+    else:  # only zero-training drafts: no teacher data to make
+        print0(dist, "[1/4] data: no candidate trains (ngram / suffix only); skipped")
+        teacher_data = None
+    print0(dist, f"[2/4] distill {len(trained)} candidate(s) -> {out / 'candidates'}")
     if shards_a_teacher(cfg):  # freed while those candidates train, loaded again (memory-mapped) for eval
         target = None
         free_memory()

@@ -341,3 +341,54 @@ def test_promoting_a_free_draft_writes_each_engines_lookup_and_exports_nothing(t
     with pytest.raises(UserError, match="ngram takes max, min"):
         promote(report_path, tmp_path / "other.yaml")
     assert not (tmp_path / "other.yaml").exists()
+
+
+def test_the_cli_takes_a_free_draft_wherever_a_draft_is_named(tmp_path, capsys):
+    """`generate --draft ngram`, `bench --draft suffix:...`; a misspelt knob and a tree with a lookup are one line
+    (exit 2) before any model loads."""
+    import json
+
+    from specdec_runtime.tiny import build_tiny_model
+    from specdistill.cli import main
+
+    folder = str(build_tiny_model("tiny-llama", tmp_path / "tiny"))
+    common = ["--target", folder, "--max-new-tokens", "8"]
+    assert main(["generate", *common, "--draft", "ngram:max=2,min=1", "--no-chat-template", "a b a b a b"]) == 0
+    assert "acceptance_rate=" in capsys.readouterr().err
+    bench = ["bench", *common, "--draft", "suffix:prob=0", "--prompts", "builtin:test", "--num-prompts", "2"]
+    assert main([*bench, "--repeats", "1", "--json", str(tmp_path / "bench.json")]) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["draft"] == "suffix:prob=0" and result["settings"]["draft_kind"] == "suffix"
+    capsys.readouterr()
+    assert main(["generate", "--target", "no/such-model", "--draft", "ngram:n=3", "hi"]) == 2
+    assert "ngram takes max, min" in capsys.readouterr().err
+    assert main(["generate", "--target", "no/such-model", "--draft", "suffix", "--tree", "2,2", "hi"]) == 2
+    assert "lookup drafts chains" in capsys.readouterr().err
+
+
+def test_run_with_free_candidates_trains_nothing_and_evaluates_them(tmp_path, monkeypatch):
+    """`draft.init: ngram | suffix` candidates: no teacher data and no training, one eval candidate per knob
+    setting, the report and serving config written; a recommended lookup exports nothing."""
+    import json
+    from pathlib import Path
+
+    from specdistill.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    candidates = (
+        "candidates=[{name: ngram, overrides: {draft.init: ngram, draft.lookup_knobs: ['max=2,min=1', '']}}, "
+        "{name: suffix, overrides: {draft.init: suffix}}]"
+    )
+    assert main(["run", str(root / "configs" / "smoke.yaml"), f"output_dir={out}", candidates]) == 0
+    assert not (out / "data").exists() and not (out / "candidates").exists()
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert [(c["name"], c["kind"], c["draft"]) for c in report["candidates"]] == [
+        ("ngram[max=2,min=1]", "ngram", "ngram:max=2,min=1"),
+        ("ngram[defaults]", "ngram", "ngram"),
+        ("suffix", "suffix", "suffix"),
+    ]
+    assert (out / "serving.yaml").is_file() and not (out / "export").exists()
+    assert main(["run", str(root / "configs" / "smoke.yaml"), f"output_dir={out}", candidates]) == 0  # up to date
