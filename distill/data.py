@@ -53,7 +53,7 @@ from distill.endpoint import Fetcher, Request, Sampling, endpoint_summary, respo
 from distill.prompt_roles import training_prompts, validation_prompts
 from distill.prompts import SELF_INSTRUCT, PromptRecord, load_prompts, render_chat, save_prompts
 from distill.self_instruct import self_instruct_prompts
-from specdec_runtime.atomic import staged_dir, write_text
+from specdec_runtime.atomic import NETWORK_LAG_S, staged_dir, wait_for_files, write_text
 from specdec_runtime.backends import BackendOptions, fast_model
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.errors import UserError
@@ -442,7 +442,9 @@ def _rows_of(records: list[PromptRecord], prompt_ids: list[list[int]], cfg: Data
 def _cached(root: Path, split: str, rank: int, barrier: Callable[[], None] | None) -> bool:
     """Whether `root` is a finished split, intact; a damaged one is said and removed (every rank reads it before
     rank 0 removes anything)."""
-    if not (root / COMPLETE).is_file():
+    # Listing the folders first: on a network filesystem a node that looked for the marker before rank 0 wrote it
+    # may still hold the cached "no such file", and a rank that regenerates alone waits in `_finish`'s barrier.
+    if wait_for_files([root / COMPLETE], 0.0):
         return False
     damage = _check_merged(root)
     if damage is None:
@@ -488,11 +490,18 @@ def _finish(
         barrier()
     if rank == 0:
         names = [shard_name(b) for b, _ in shards]
+        if barrier is not None:  # renamed into place before the barrier, another node's shards may show late here
+            wait_for_files([root / "shards" / name for name in names], NETWORK_LAG_S)
         job = dict(num_prompts=num_prompts, num_samples=cfg.num_samples, aux_layers=aux_layers)
         summary = _merge(root, names, **job, generator=generator() if generator else None)
         print(f"{split}: {_summary(summary, root)}")
     if barrier is not None:
         barrier()  # the other ranks return only once the merged dataset exists
+        if rank != 0 and wait_for_files([root / COMPLETE], NETWORK_LAG_S):
+            raise UserError(
+                f"{root / COMPLETE}, written by rank 0, is not visible to rank {rank} after {NETWORK_LAG_S:.0f} s: "
+                "output_dir must be on a filesystem every node shares (docs/distributed.md#multi-node)"
+            )
     return root
 
 
@@ -800,6 +809,7 @@ def _self_instruct_records(
         print(f"{SELF_INSTRUCT}: the teacher wrote {len(records)} prompts -> {path}")
     if barrier is not None:
         barrier()
+        wait_for_files([path], NETWORK_LAG_S)  # rank 0 wrote it; on another node it may show late
     if not path.is_file():
         raise RuntimeError(
             f"{path} is missing: rank 0 writes the self_instruct prompts; concurrent ranks must pass barrier="

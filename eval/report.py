@@ -582,7 +582,8 @@ def kind_wins(report: dict) -> tuple[float, str, list[str], list[list[str]]] | N
             for category, stats in (s.get("by_category") or {}).items():
                 if stats.get("speedup") is None:
                     continue
-                rank, label = surest_speedup(stats), f"{c['name']} (num_draft_tokens={s['num_draft_tokens']})"
+                n = f", {stats['units']} unit(s)" if stats.get("units") is not None else ""
+                rank, label = surest_speedup(stats), f"{c['name']} (num_draft_tokens={s['num_draft_tokens']}{n})"
                 if kind not in best.setdefault(category, {}) or rank > best[category][kind][0]:
                     best[category][kind] = (rank, stats, label)
     kinds = sorted({k for per_kind in best.values() for k in per_kind})

@@ -101,8 +101,8 @@ def _paired(runs: dict, gamma: int) -> dict:
 
 
 def _paired_by_category(runs: dict, units: list[list], gamma: int) -> dict[str, dict]:
-    """Per category: the paired speedup (interval) and the in-run cost ratio over the units whose prompts all belong
-    to it (at batch size 1 every unit; a unit mixing categories counts in none)."""
+    """Per category: the paired speedup (its interval from 2 units on) and the in-run cost ratio over the units whose
+    prompts all belong to it (at batch size 1 every unit; a unit mixing categories counts in none)."""
     by_unit: dict[str, list[int]] = {}
     for i, unit in enumerate(units):
         if len({p.category for p in unit}) == 1:
@@ -111,6 +111,8 @@ def _paired_by_category(runs: dict, units: list[list], gamma: int) -> dict[str, 
     for category, idx in by_unit.items():
         m = paired_metrics([runs["target_only"][i] for i in idx], [runs["speculative"][i] for i in idx], gamma)
         out[category] = {k: m[k] for k in ("speedup", "speedup_ci", "units", "cost_ratio")}
+        if len(idx) < 2:  # one unit's ratio has no spread to bootstrap: no interval rather than a point posing as one
+            out[category]["speedup_ci"] = None
     return out
 
 

@@ -4,6 +4,9 @@ Every writer of the project goes through here. The recipe is the same for files 
 name in the destination's own folder (same filesystem, so the rename is atomic), fsync what was written, rename it
 into place, fsync the parent folder so the rename itself survives a power loss. Standard library only: this module
 sits at the bottom floor with the rest of `specdec_runtime/`.
+
+The readers' side across nodes (issue 29): `wait_for_files`, for a file another node has just written to shared
+storage.
 """
 
 from __future__ import annotations
@@ -12,9 +15,14 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
+
+NETWORK_LAG_S = 120.0
+"""How long a reader waits for a file another node has just written (`wait_for_files`): longer than an NFS client's
+longest attribute cache by default (acdirmax, 60 s)."""
 
 
 def fsync_dir(folder: Path) -> None:
@@ -145,3 +153,21 @@ def staged_cache_dir(final: Path) -> Iterator[Path]:
             raise
         return
     fsync_dir(final.parent)
+
+
+def wait_for_files(paths: Iterable[Path], timeout_s: float) -> list[Path]:
+    """The `paths` still missing after waiting up to `timeout_s` (0: look once) for them to appear.
+
+    On a network filesystem a file another node has just renamed into place can stay invisible for a while: an NFS
+    client caches a folder's attributes and its "no such file" answers (up to acdirmax, 60 s by default). Listing
+    the folder and its parent may make the client ask the server again; the wait covers the rest. On a local disk
+    a present file is found at once, and only a missing one costs the wait."""
+    missing, deadline = [Path(p) for p in paths], time.monotonic() + timeout_s
+    while True:
+        for folder in {q for p in missing for q in (p.parent.parent, p.parent)}:
+            with contextlib.suppress(OSError):
+                os.listdir(folder)
+        missing = [p for p in missing if not p.exists()]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.5)

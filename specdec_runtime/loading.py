@@ -153,10 +153,29 @@ def gguf_to_safetensors(gguf_path: Path) -> Path:
     model.hf_quantizer = None
     del model.config.quantization_config
     with atomic.staged_cache_dir(out) as tmp:  # every rank may convert at once: the first to finish wins
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_model_files(model, tokenizer, tmp)
         (tmp / "specdistill_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
     return out
+
+
+def save_model_files(model, tokenizer, folder: Path) -> None:
+    """The files of `save_pretrained` (config, generation config, safetensors weights, tokenizer), written by this
+    process whatever its rank. Inside an initialised process group transformers 5 writes the weights and config on
+    global rank 0 only (`should_save_on_this_rank`), so a node-local model cache filled by another node's first
+    process would hold a tokenizer and no weights (issue 29)."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    weights, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:  # a tied copy (lm_head of tied embeddings): saved once, under its first name,
+            continue  # the embedding, as save_pretrained does
+        seen.add(tensor.data_ptr())
+        weights[name] = tensor.contiguous()
+    save_file(weights, Path(folder) / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -195,13 +214,19 @@ def resolve_model_path(spec: str) -> tuple[str, bool]:
 def model_identity(spec: str) -> str:
     """A string that changes when the weights behind `spec` change (for data fingerprints): the spec, the resolved
     folder, the config's hash and the weight files' sizes. Hub ids are identified by name only."""
+    return model_identities(spec)[0]
+
+
+def model_identities(spec: str) -> tuple[str, str]:
+    """(`model_identity(spec)`, the same without the resolved folder). The second says what the files hold wherever
+    they sit: nodes with model caches of their own resolve `spec` to other folders and compare it (issue 29)."""
     path, local = resolve_model_path(spec)
     if not local:
-        return spec
+        return spec, spec
     folder = Path(path).resolve()
-    parts = [spec, str(folder), hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]]
-    parts += [f"{f.name}:{f.stat().st_size}" for f in sorted(folder.glob("*.safetensors"))]
-    return "|".join(parts)
+    weights = [hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]]
+    weights += [f"{f.name}:{f.stat().st_size}" for f in sorted(folder.glob("*.safetensors"))]
+    return "|".join([spec, str(folder), *weights]), "|".join([spec, *weights])
 
 
 # The JSON files transformers and peft read from a model folder; each must parse before a load starts.

@@ -55,6 +55,8 @@ def build_tiny_model(name: str, out: Path, seed: int = 0) -> Path:
     """Write the random model `name` to `out` (atomically, `atomic.staged_cache_dir`) and return `out`."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    from specdec_runtime.loading import save_model_files
+
     tokenizer = byte_level_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -68,6 +70,5 @@ def build_tiny_model(name: str, out: Path, seed: int = 0) -> Path:
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     with atomic.staged_cache_dir(out) as tmp:  # concurrent ranks build the same model: the first to finish wins
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_model_files(model, tokenizer, tmp)  # on any rank: another node's first process fills its own cache
     return out

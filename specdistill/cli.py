@@ -25,8 +25,8 @@ from specdec_runtime.errors import UserError
 
 EXAMPLES = {
     "config": "example: specdistill config show configs/quickstart.yaml train.max_steps=20 distill.objective=tv",
-    "bench": "example: specdistill bench --target embedded:smollm2-135m-instruct --draft runs/quickstart/export/"
-    "trunc4-fkl --prompts builtin:test --num-prompts 8 --num-draft-tokens 4 --json bench.json",
+    "bench": "example: specdistill bench --target embedded:smollm2-135m-instruct --draft runs/quickstart/candidates/"
+    "eagle3/best --prompts builtin:test --num-prompts 8 --num-draft-tokens 4 --json bench.json",
     "data": "example: specdistill data configs/quickstart.yaml data.max_prompts=50\n"
     "         torchrun --nproc_per_node 2 -m specdistill data configs/smoke.yaml\n"
     "         specdistill data CONFIG data.generator=endpoint data.endpoint.url=http://localhost:8000/v1 "
@@ -36,10 +36,10 @@ EXAMPLES = {
     "         torchrun --nproc_per_node 2 -m specdistill distill configs/smoke.yaml   (CPU, gloo)",
     "eval": "example: specdistill eval configs/quickstart.yaml\n"
     "         specdistill eval --target embedded:smollm2-135m-instruct --drafts runs/quickstart/candidates/"
-    "trunc4-fkl --prompts spec_bench.jsonl --out runs/my-eval eval.num_draft_tokens=[2,4]",
+    "eagle3 ngram suffix --prompts spec_bench.jsonl --out runs/my-eval eval.num_draft_tokens=[2,4]",
     "promote": "example: specdistill promote runs/quickstart/eval/report.json --dry-run\n"
     "         specdistill promote runs/my-eval/report.json --serving deploy/serving.yaml --export-dir deploy/drafts",
-    "export": "example: specdistill export runs/quickstart/candidates/trunc4-fkl/best runs/quickstart/export/x",
+    "export": "example: specdistill export runs/quickstart/candidates/eagle3/best runs/quickstart/export/x",
     "run": "example: specdistill run configs/quickstart.yaml      (data -> distill -> eval -> promote, which exports)",
     "generate": "example: specdistill generate --target embedded:smollm2-135m-instruct --max-new-tokens 64 "
     '"Explain speculative decoding in one sentence."',
@@ -432,7 +432,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, overrides)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "eval"
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
-    with run_lock(out if args.out else cfg.output_dir, dist):
+    # Every process reads a config's candidates from output_dir, which must then be shared by the nodes; rank 0 alone
+    # writes the report, so an --out folder (or output_dir beside --drafts) may be local to its node.
+    with run_lock(out if args.out else cfg.output_dir, dist, shared=not (args.out or args.drafts)):
         candidates = resolve_candidates(args.drafts) if args.drafts else config_candidates(cfg)
         # A config's own candidates were trained and validated on its data section's prompts: eval refuses those.
         report = stage_eval(cfg, dist, candidates, out_dir=out, trained_on=None if args.drafts else cfg.data)
@@ -493,6 +495,15 @@ def cmd_export(args: argparse.Namespace) -> None:
     print(f"exported: {out}")
 
 
+def _exported(folder: Path | None, rec: dict) -> str:
+    """Where `run` exported the recommended draft, or why nothing was exported."""
+    if folder is not None:
+        return str(folder)
+    if rec.get("draft"):  # recommended, not exported: a zero-training draft
+        return f"none ({rec['draft']} is a zero-training draft: no weights to export)"
+    return "none (no draft recommended)"
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     from specdistill.pipeline import run_all
 
@@ -504,7 +515,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         "",
         "== specdistill run: done in {:.1f} min ==".format(result["wall_s"] / 60),
         f"report:         {result['report']} (+ report.md, {result['html']})",
-        f"exported draft: {result['exported']}",
+        f"exported draft: {_exported(result['exported'], rec)}",
         f"serving config: {result['serving']}  ({result['summary']})",
     ]
     if rec["enabled"]:

@@ -6,6 +6,10 @@ Each stage skips work whose outputs are already complete (teacher data by finger
 marker, eval by a report made with the same config), so rerunning `specdistill run` after a crash continues where
 it stopped. Multi-process launches (torchrun / accelerate launch) split data generation, distillation and eval;
 the single-process stage (promote, which exports) runs on rank 0 only.
+
+Across nodes (docs/distributed.md#multi-node): every process must see the same output_dir (checked when the run lock
+is taken); model caches may be node-local. A choice that decides which collectives follow (skip a finished candidate,
+reuse a report) is rank 0's, broadcast: another node's view of a network filesystem can lag behind.
 """
 
 from __future__ import annotations
@@ -73,11 +77,18 @@ class Dist:
 
     def broadcast(self, obj):
         """Rank 0's `obj` on every process."""
-        if self.world_size == 1:
-            return obj
-        from accelerate.utils import broadcast_object_list
+        return rank0_value(obj)
 
-        return broadcast_object_list([obj], from_process=0)[0]
+
+def rank0_value(value):
+    """Rank 0's `value` on every process of the launch (`value` itself with one process)."""
+    from accelerate import PartialState
+
+    if PartialState().num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value], from_process=0)[0]
 
 
 LOCK_FILE = ".specdistill.lock"  # <output_dir>/.specdistill.lock: "PID HOST" of the run holding it
@@ -108,14 +119,21 @@ def describe_os_error(e: OSError) -> str:
 
 
 @contextlib.contextmanager
-def run_lock(output_dir: str | Path, dist: Dist):
+def run_lock(output_dir: str | Path, dist: Dist, *, shared: bool = True):
     """One run per output_dir: rank 0 holds an exclusive lock on <output_dir>/.specdistill.lock for the block, and
     every process of its launch shares it. A second run (or launch) is refused with the holder's PID before it
     writes anything. The kernel drops the lock when its process dies (flock), so a file left by a killed run is no
-    obstacle. On NFS, flock needs a client and server that support it (NFSv4 does)."""
+    obstacle.
+
+    Across nodes the lock is as good as the filesystem's: NFSv4 (and NFSv3 with lockd) holds it on the server, so a
+    launch from any node is refused, and a lock whose node died is dropped when the server's lease ends (about 90
+    s); a mount whose locks are node-local (NFS `nolock` or `local_lock=flock`, Lustre `localflock`) refuses only
+    launches whose rank 0 shares the holder's node; a filesystem without locks (Lustre mounted without `flock`)
+    runs unlocked, with a warning. `shared`: also check that every process sees the folder (`check_shared_dir`)."""
     import fcntl
     import os
     import socket
+    import sys
 
     handle, holder = None, None
     if dist.is_main:
@@ -132,6 +150,15 @@ def run_lock(output_dir: str | Path, dist: Dist):
             holder = handle.read().strip() or "unknown"
             handle.close()
             handle = None
+        except OSError as e:  # ENOLCK, ENOSYS, EOPNOTSUPP: the lock is a safeguard; its absence must not stop the run
+            print(
+                f"specdistill: warning: {path}'s filesystem has no file locks ({e.strerror}): a second run on this "
+                "output_dir would not be refused",
+                file=sys.stderr,
+                flush=True,
+            )
+            handle.close()
+            handle = None
         else:
             handle.seek(0)
             handle.truncate()
@@ -145,11 +172,47 @@ def run_lock(output_dir: str | Path, dist: Dist):
             "for it to finish, or give this run another output_dir=..."
         )
     try:
+        if shared:
+            check_shared_dir(output_dir, dist)
         yield
     finally:
         if handle is not None:
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
+
+
+SHARED_PROBE_WAIT_S = 10.0  # how long a process looks for rank 0's probe file (a network filesystem may lag)
+
+
+def check_shared_dir(folder: str | Path, dist: Dist) -> None:
+    """Refuse on every process, before any model loads, a launch whose processes do not all see `folder` (issue 29).
+
+    Ranks write their data shards, ZeRO partitions and endpoint responses into output_dir for rank 0 to merge, and
+    read what rank 0 wrote there (merged data, checkpoints, best/). Across nodes that needs a filesystem every node
+    mounts at the same path; a node-local disk there fails later and worse (a shard missing at the merge, a rank
+    resuming from no checkpoint). Rank 0 writes a probe file under a fresh name and every process looks for it."""
+    if dist.world_size == 1:
+        return
+    import socket
+    import uuid
+
+    from specdec_runtime.atomic import wait_for_files, write_text
+
+    probe = Path(folder) / f".specdistill-probe-{uuid.uuid4().hex}" if dist.is_main else None
+    if probe is not None:
+        write_text(probe, socket.gethostname())
+    name = dist.broadcast(probe.name if probe is not None else None)  # sent once the probe is written
+    seen = not wait_for_files([Path(folder) / name], SHARED_PROBE_WAIT_S)
+    views = dist.gather((seen, socket.gethostname()))
+    if probe is not None:
+        probe.unlink(missing_ok=True)
+    blind = [f"rank {rank} ({host})" for rank, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise OutputDirError(
+            f"{folder} is not shared by every process: {', '.join(blind)} cannot see the file rank 0 ({views[0][1]}) "
+            "wrote there. A multi-node run needs output_dir on a filesystem every node mounts at the same path (NFS, "
+            "Lustre, GPFS, ...); see docs/distributed.md#multi-node"
+        )
 
 
 def dist_state(device: str = "auto", timeout_minutes: float | None = None) -> Dist:
@@ -173,9 +236,11 @@ def print0(dist: Dist, *args) -> None:
 
 
 def load_target(cfg: RootConfig, dist: Dist):
-    from specdec_runtime.loading import load_model, model_identity
+    from specdec_runtime.loading import load_model
 
-    with dist.state.main_process_first():  # rank 0 converts / builds a cached checkpoint once; the others read it
+    # Rank 0 first, then the first process of every other node, then the rest: a download or GGUF conversion fills
+    # each model cache once, whether every node shares it (the others find it complete) or each node has its own.
+    with dist.state.main_process_first(), dist.state.local_main_process_first():
         model, tokenizer = load_model(
             cfg.target.model,
             dtype=cfg.target.dtype,
@@ -183,7 +248,30 @@ def load_target(cfg: RootConfig, dist: Dist):
             trust_remote_code=cfg.target.trust_remote_code,
             allow_pickle=cfg.target.allow_pickle,
         )
-        return model, tokenizer, model_identity(cfg.target.model)
+    return model, tokenizer, launch_identity(cfg.target.model, dist)
+
+
+def launch_identity(spec: str, dist: Dist) -> str:
+    """`model_identity(spec)` as rank 0 has it, on every process, once the weights behind it agree everywhere.
+
+    The identity names the teacher-data folders and holds the folder the weights were read from, which differs
+    between nodes with model caches of their own (SPECDISTILL_CACHE, HF_HOME): each node would write its shards under
+    another name and rank 0's merge would miss them (issue 29). The rest (config hash, file sizes) must be equal."""
+    import socket
+
+    from specdec_runtime.loading import model_identities
+
+    identity, weights = model_identities(spec)
+    if dist.world_size == 1:
+        return identity
+    views = dist.gather((weights, socket.gethostname()))
+    odd = [f"rank {rank} ({host})" for rank, (w, host) in enumerate(views) if w != views[0][0]]
+    if odd:
+        raise UserError(
+            f"target.model={spec} resolves to other weights on {', '.join(odd)} than on rank 0 ({views[0][1]}): "
+            "clear that node's model cache (SPECDISTILL_CACHE, HF_HOME) or give every node the same files"
+        )
+    return dist.broadcast(identity)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,13 +312,14 @@ def fetch_responses_stage(cfg: RootConfig, dist: Dist) -> list[Path]:
     from transformers import GenerationConfig
 
     from distill.data import fetch_teacher_responses
-    from specdec_runtime.loading import load_config, load_tokenizer, model_identity, resolve_model_path, stop_token_ids
+    from specdec_runtime.loading import load_config, load_tokenizer, resolve_model_path, stop_token_ids
 
     check_prompt_roles(cfg)
     spec, trust = cfg.target.model, cfg.target.trust_remote_code
-    with dist.state.main_process_first():  # rank 0 converts a GGUF once; the others read the cache
+    with dist.state.main_process_first(), dist.state.local_main_process_first():  # each model cache filled once
         tokenizer, config = load_tokenizer(spec, trust_remote_code=trust), load_config(spec, trust_remote_code=trust)
-        teacher_id, (path, _) = model_identity(spec), resolve_model_path(spec)
+        path, _ = resolve_model_path(spec)
+    teacher_id = launch_identity(spec, dist)
     try:  # what load_model gives the model: generation_config.json, else the defaults of its config
         generation = GenerationConfig.from_pretrained(path)
     except OSError:
@@ -274,7 +363,7 @@ def run_distill(cfg: RootConfig, teacher_data, *, target=None) -> dict[str, Path
     best = {}
     for name, resolved in trained_configs(cfg).items():  # a zero-training draft (ngram, suffix) has nothing to train
         run = candidate_run(resolved, name)
-        if is_done(run.out_dir, run.fingerprint):
+        if rank0_value(is_done(run.out_dir, run.fingerprint) if _is_rank0() else None):
             PartialState().print(f"{name}: already distilled with these settings ({run.out_dir / 'best'}); skipping")
         else:
             keeps = target and resolved.target == cfg.target and not shards_teacher(run)
@@ -292,9 +381,16 @@ def shards_a_teacher(cfg: RootConfig) -> bool:
 
     for name, resolved in trained_configs(cfg).items():
         run = candidate_run(resolved, name)
-        if shards_teacher(run) and not is_done(run.out_dir, run.fingerprint):
+        if shards_teacher(run) and not rank0_value(is_done(run.out_dir, run.fingerprint) if _is_rank0() else None):
             return True
     return False
+
+
+def _is_rank0() -> bool:
+    """Whether this process is rank 0, which reads the choices every rank then takes from it (`rank0_value`)."""
+    from accelerate import PartialState
+
+    return PartialState().process_index == 0
 
 
 def free_memory() -> None:
@@ -537,8 +633,17 @@ def run_all(cfg: RootConfig, *, force: bool = False) -> dict:
     from eval.promote import check_serving_path
 
     check_prompt_roles(cfg)  # before anything is written: a run that would test on seen prompts never starts
-    check_serving_path(serving_path(cfg))  # and one whose serving config cannot be written fails now, not at the end
     dist = dist_state(cfg.target.device, cfg.train.timeout_minutes)
+    # And one whose serving config cannot be written fails now, not at the end. Rank 0 alone writes it, and on
+    # another node its folder need not exist: rank 0 checks, every process stops with its error.
+    problem = None
+    if dist.is_main:
+        try:
+            check_serving_path(serving_path(cfg))
+        except UserError as e:
+            problem = str(e)
+    if problem := dist.broadcast(problem):
+        raise UserError(problem)
     with run_lock(cfg.output_dir, dist):
         return _run_stages(cfg, dist, start, force=force)
 
@@ -562,7 +667,7 @@ def _run_stages(cfg: RootConfig, dist: Dist, start: float, *, force: bool) -> di
     run_distill(cfg, teacher_data, target=target)
     target = target or load_target(cfg, dist)
     report_path = out / "eval" / "report.json"
-    if eval_is_current(cfg, report_path):
+    if dist.broadcast(eval_is_current(cfg, report_path) if dist.is_main else None):  # ranks must agree to sweep
         print0(dist, f"[3/4] eval: up to date ({report_path})")
     else:
         print0(dist, f"[3/4] eval -> {out / 'eval'}")

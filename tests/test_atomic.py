@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import pytest
 
@@ -48,3 +49,16 @@ def test_a_folder_left_aside_by_a_crash_is_recovered(tmp_path):
     with atomic.staged_dir(final) as tmp:  # the next write recovers first, then replaces
         (tmp / "w").write_text("new")
     assert (final / "w").read_text() == "new" and not list(tmp_path.glob(".old-*"))
+
+
+def test_wait_for_files_returns_what_is_still_missing_and_waits_for_a_late_file(tmp_path):
+    """The reader's side across nodes: a file another node renames into place shortly after is waited for."""
+    present, late = tmp_path / "a", tmp_path / "shards" / "b"
+    present.write_text("")
+    assert atomic.wait_for_files([present, late], 0.0) == [late]
+    timer = threading.Timer(0.3, lambda: (late.parent.mkdir(), late.write_text("")))
+    timer.start()
+    try:
+        assert atomic.wait_for_files([present, late], 30.0) == []
+    finally:
+        timer.join()

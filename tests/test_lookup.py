@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from helpers.models import hf_greedy, tiny_llama
+from helpers.runs import load_benchmark
 from helpers.stats import chi_square_pvalue
 
 import specdec_runtime.lookup as lookup
@@ -241,6 +242,10 @@ def test_accepting_past_a_rows_proposal_is_caught(spread_target, monkeypatch, sp
 # ------------------------------------------------------------------------------------------------ eval and report
 
 
+def kinds_in_order(report: dict) -> list[str]:
+    return [c["kind"] for c in report["candidates"]]
+
+
 def test_eval_measures_free_drafts_next_to_a_model_per_category(tmp_path):
     """The sweep measures ngram and suffix candidates with the same paired A/B as a draft model (the target as its
     own draft here); each setting's categories carry their own paired speedup, the report says per category which
@@ -277,6 +282,8 @@ def test_eval_measures_free_drafts_next_to_a_model_per_category(tmp_path):
                 assert stats["units"] == 2 and stats["speedup_ci"][0] <= stats["speedup"] <= stats["speedup_ci"][1]
     temperature, rule, kinds, rows = kind_wins(report)
     assert kinds == ["ngram", "standalone", "suffix"] and [r[0] for r in rows] == ["plain", "repeats"]
+    by_category = load_benchmark("report_by_category").rows(report, best=True)  # docs/benchmarks.md's table
+    assert [(r[0], r[2]) for r in by_category] == [(c, k) for c in ("plain", "repeats") for k in kinds_in_order(report)]
     paths = write_reports(report, tmp_path / "out")
     markdown = paths["md"].read_text()
     assert "Which kind wins, per category" in markdown and "| repeats |" in markdown

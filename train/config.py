@@ -54,7 +54,8 @@ class TrainConfig:
     timeout_minutes: float = 60.0
     """Process-group timeout of a multi-process launch, for every stage (data, distill, eval): how long a collective
     waits for the slowest rank (rank 0 downloading or converting the target, the last data shards) before the run
-    fails. torch's own default is 10 minutes under NCCL."""
+    fails. torch's own default is 10 minutes under NCCL. Across nodes it is also how long a dead node can hold the
+    others under NCCL (docs/distributed.md#multi-node)."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 0 or self.epochs < 0 or (self.max_steps == 0 and self.epochs == 0):

@@ -8,6 +8,8 @@
     N GPUs (DDP):      accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes N \
                            -m specdistill distill configs/quickstart.yaml
     N GPUs (FSDP, DeepSpeed ZeRO-2): see train/distributed.py
+    N nodes:           sbatch --nodes 2 configs/slurm/multinode.sbatch distill configs/quickstart.yaml
+                       (torchrun / accelerate launch per node: docs/distributed.md#multi-node)
 
 From Python: `specdistill.pipeline.run_distill(cfg, teacher_data)` for every candidate of a root config, or
 `distill(run, teacher_data)` here for one `CandidateRun` (the recipe never sees the root config).
@@ -40,7 +42,7 @@ import numpy as np
 import torch
 import yaml
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, gather_object, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
 from peft import PeftModel
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
@@ -197,7 +199,10 @@ class DistillRecipe:
         if teacher is not None:
             return teacher, tokenizer
         device = "cpu" if self.cache or self.shard else str(self.device)
-        with self.accelerator.main_process_first():  # the first load may convert a GGUF into the shared cache
+        # The first load may download or convert a GGUF into the model cache: rank 0 first, then the first process of
+        # every other node (whose cache may be its own), then the rest read what is there.
+        acc = self.accelerator
+        with acc.main_process_first(), acc.local_main_process_first():
             return load_model(self.run.target.model, device=device, **self.load_options)
 
     def _setup_student(self, teacher, teacher_data: TeacherData):
@@ -389,8 +394,9 @@ class DistillRecipe:
                     self.save_checkpoint()
 
             # 5. Done: best/ is whole (a run resumed at its end whose best/ went missing or broke validates again),
-            # then DONE.
-            if not checkpoint.best_is_complete(self.cand / "best"):
+            # then DONE. Rank 0 judges: validating is a collective, and another node's view of best/ can lag.
+            whole = checkpoint.best_is_complete(self.cand / "best") if self.is_main else None
+            if not broadcast_object_list([whole], from_process=0)[0]:
                 state.best_metric = None
                 self.validate()
             if self.is_main:
