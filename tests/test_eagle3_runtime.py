@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.models import LLAMA_PROMPTS, assert_same_up_to_ties, gpu_llama, hf_greedy, tiny_llama
-from helpers.stats import chi_square_pvalue
+from helpers.stats import chi_square_pvalue, joint3
 from helpers.syncs import count_host_syncs
 
 import specdec_runtime.eagle3_state as eagle3_state
@@ -35,7 +35,6 @@ from specdec_runtime.eagle3_state import AuxCapture, decoder_layers
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.llama import Llama
 from specdec_runtime.loading import load_draft_model
-from specdec_runtime.sampling import warp_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -389,17 +388,6 @@ DIST_PROMPTS = {"short": [4], "long": [2, 5, 1, 3]}
 DRAWS = 6000  # per prompt kind
 
 
-def joint3(target, prompt: list[int], sampling: SamplingParams) -> torch.Tensor:
-    """P(y1, y2, y3) of target-only sampling after `prompt` -> (V, V, V), from full forwards."""
-    with torch.no_grad():
-        p1 = warp_logits(target(input_ids=torch.tensor([prompt])).logits[0, -1], sampling)
-        two = torch.tensor([prompt + [a] for a in range(V6)])
-        p2 = warp_logits(target(input_ids=two).logits[:, -1], sampling)  # (V, V)
-        three = torch.tensor([prompt + [a, b] for a in range(V6) for b in range(V6)])
-        p3 = warp_logits(target(input_ids=three).logits[:, -1], sampling).view(V6, V6, V6)
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
 @pytest.fixture(scope="module")
 def spread_pair():
     target = tiny_llama(seed=5, vocab_size=V6, layers=4, initializer_range=0.5, max_position_embeddings=64)
@@ -413,7 +401,7 @@ def joint_pvalues(target, draft, sampling, rule, tree=None, seed=0) -> dict[str,
     flat = (torch.tensor(result.tokens) * torch.tensor([V6 * V6, V6, 1])).sum(1)
     return {
         kind: chi_square_pvalue(
-            torch.bincount(flat[i::2], minlength=V6**3), joint3(target, DIST_PROMPTS[kind], sampling)
+            torch.bincount(flat[i::2], minlength=V6**3), joint3(target, DIST_PROMPTS[kind], sampling, V6)
         )
         for i, kind in enumerate(("short", "long"))
     }

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.models import hf_greedy, tiny_llama
 from helpers.runs import load_benchmark
-from helpers.stats import chi_square_pvalue
+from helpers.stats import chi_square_pvalue, joint3
 
 import specdec_runtime.lookup as lookup
 from specdec_runtime.cpu import cpu_model
@@ -16,7 +16,6 @@ from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.errors import UserError
 from specdec_runtime.llama import Llama
 from specdec_runtime.lookup import NgramDraft, NgramState, SuffixDraft, SuffixState, lookup_draft
-from specdec_runtime.sampling import warp_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -192,17 +191,6 @@ DIST_PROMPTS = {"short": [4, 1, 4], "long": [2, 5, 1, 3, 2, 5]}
 DRAWS = 6000  # per prompt kind
 
 
-def joint3(target, prompt: list[int], sampling: SamplingParams) -> torch.Tensor:
-    """P(y1, y2, y3) of target-only sampling after `prompt` -> (V, V, V), from full forwards."""
-    with torch.no_grad():
-        p1 = warp_logits(target(input_ids=torch.tensor([prompt])).logits[0, -1], sampling)
-        two = torch.tensor([prompt + [a] for a in range(V6)])
-        p2 = warp_logits(target(input_ids=two).logits[:, -1], sampling)  # (V, V)
-        three = torch.tensor([prompt + [a, b] for a in range(V6) for b in range(V6)])
-        p3 = warp_logits(target(input_ids=three).logits[:, -1], sampling).view(V6, V6, V6)
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
 @pytest.fixture(scope="module")
 def spread_target():
     return tiny_llama(seed=5, vocab_size=V6, layers=4, initializer_range=0.5, max_position_embeddings=64)
@@ -215,7 +203,7 @@ def joint_pvalues(target, spec: str, sampling: SamplingParams) -> tuple[dict[str
     flat = (torch.tensor(result.tokens) * torch.tensor([V6 * V6, V6, 1])).sum(1)
     pvalues = {
         kind: chi_square_pvalue(
-            torch.bincount(flat[i::2], minlength=V6**3), joint3(target, DIST_PROMPTS[kind], sampling)
+            torch.bincount(flat[i::2], minlength=V6**3), joint3(target, DIST_PROMPTS[kind], sampling, V6)
         )
         for i, kind in enumerate(("short", "long"))
     }

@@ -170,3 +170,14 @@ def g_test_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     g = 2 * torch.where(observed > 0, observed * (observed / expected).log(), 0.0).sum()
     dof = torch.tensor((probs > 0).sum().item() - 1.0, dtype=torch.float64)
     return float(torch.special.gammaincc(dof / 2, g / 2))
+
+
+def joint3(target, prompt: list[int], sampling: SamplingParams, vocab: int) -> torch.Tensor:
+    """P(y1, y2, y3) of target-only sampling after `prompt` -> (V, V, V), from full forwards (V = `vocab`)."""
+    with torch.no_grad():
+        p1 = warp_logits(target(input_ids=torch.tensor([prompt])).logits[0, -1], sampling)
+        two = torch.tensor([prompt + [a] for a in range(vocab)])
+        p2 = warp_logits(target(input_ids=two).logits[:, -1], sampling)  # (V, V)
+        three = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        p3 = warp_logits(target(input_ids=three).logits[:, -1], sampling).view(vocab, vocab, vocab)
+    return p1[:, None, None] * p2[:, :, None] * p3
