@@ -27,8 +27,9 @@ Faults: `max_concurrency` requests in flight (a pool of workers on one httpx.Asy
 backoff on timeouts, lost connections, 429 and 5xx; a refused connection at the start, a model the server does not
 list, any other 4xx, or a server that stays down after the retries is one UserError naming the URL and the fix.
 Responses are buffered and written to the store as parquet parts (atomic, page checksums) every `FLUSH_ROWS` rows or
-`FLUSH_SECONDS`, and on any error: a killed run or a dead server loses only the requests in flight, asked again by
-the next run; rows are keyed by index, so none is written twice.
+`FLUSH_SECONDS` (checked as responses arrive), and on any error: a dead server loses only the requests in flight, a
+killed run (SIGKILL) also the responses buffered since the last part (at most `FLUSH_ROWS`); the next run asks for
+every missing row again, and rows are keyed by index, so none is written twice.
 """
 
 from __future__ import annotations

@@ -119,10 +119,9 @@ UNSERVED = {
 # Where vLLM's suffix (Arctic Inference's SuffixDecodingCache.speculate and suffix_tree.cc, 0.1.1 to 0.3.0) departs
 # from the eval's SuffixDraft (specdec_runtime/lookup.py); remove an entry when lookup.py adopts Arctic's rule.
 VLLM_SUFFIX_DEPARTURES = (
-    "vLLM's suffix (Arctic Inference) scores a draft from every match length and keeps the best, and divides a "
-    "token's count by all occurrences of the matched text, the context's own latest one included; the eval's "
-    "SuffixDraft drafts from the deepest match and divides by the occurrences that continue: proposals and acceptance "
-    "can differ",
+    "vLLM's suffix (Arctic Inference) divides a token's count by all occurrences of the matched text, the context's "
+    "own latest one included; the eval's SuffixDraft divides by the occurrences that continue: path probabilities, "
+    "so proposals and acceptance, can differ (both score a draft from every match length and keep the best)",
     "vLLM's response cache holds every request's response as it grows (running ones too), keyed by request, so a "
     "repeated prompt finds its earlier answer; the eval cached finished responses and withheld a row's own earlier "
     "one: repeats may accept more here than measured",

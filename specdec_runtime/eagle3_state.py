@@ -206,7 +206,9 @@ class HeadCache:
 
     def __init__(self, draft: Eagle3Draft, embed: nn.Embedding, rows: int, S: int):
         cfg, dtype, dev = draft.config, draft.compute_dtype, draft.norm.weight.device
-        self.draft, self.embed, self.S = draft, embed, S
+        # a weak reference: the head holds its cache (`head_cache`), and a strong one back would keep the buffers and
+        # the graph pool alive after the head is deleted, until a full garbage collection
+        self._draft, self.embed, self.S = weakref.ref(draft), embed, S
         self.k = torch.zeros(rows, S, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
         self.v = torch.zeros_like(self.k)
         self.pre = torch.zeros(rows, S, cfg.hidden_size, dtype=dtype, device=dev)  # (rows, S, H) pre-norm outputs
@@ -236,6 +238,10 @@ class HeadCache:
         for t in (cache.lengths, cache.rows, cache.fed):
             t[:batch_size].zero_()
         return cache
+
+    @property
+    def draft(self) -> Eagle3Draft:
+        return self._draft()
 
     def buffers(self) -> tuple[Tensor, ...]:
         return self.k, self.v, self.pre, self.tokens, self.lengths, self.rows, self.fed

@@ -331,10 +331,13 @@ def generate(
         wall_s = wall() - start
 
     lengths = out.counts.tolist()
+    tokens = [row[:k] for row, k in zip(out.tokens.tolist(), lengths)]
+    if isinstance(draft, SuffixDraft):  # its cache of earlier responses files what was emitted
+        draft.finish(tokens)
     timing = [(ttft_s, done_s, dec_s) for done_s, dec_s in zip(finished_s, decode_s)]
     forwards = isinstance(draft, torch.nn.Module)  # a lookup draft runs no forward
     stats = _stats(out, lengths, timing, wall_s, timer.phases(), gamma=G, has_draft=forwards)
-    return GenerationResult(tokens=[row[:k] for row, k in zip(out.tokens.tolist(), lengths)], stats=stats)
+    return GenerationResult(tokens=tokens, stats=stats)
 
 
 def _stats(

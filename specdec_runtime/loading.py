@@ -165,6 +165,9 @@ def save_model_files(model, tokenizer, folder: Path) -> None:
     process would hold a tokenizer and no weights (issue 29)."""
     from safetensors.torch import save_file
 
+    # what save_pretrained records in config.json (serving engines read `architectures`)
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     model.config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)

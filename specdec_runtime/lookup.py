@@ -56,10 +56,10 @@ class NgramDraft:
 
 @dataclass(eq=False)
 class SuffixDraft:
-    """Suffix decoding: the longest match of the context's suffix (at most max_depth tokens) in a suffix trie of this
-    request's context and in one of the responses of earlier requests (this object's, across `generate` calls); from
-    the deeper-scoring match it proposes the most frequent continuation token by token while the path's empirical
-    probability stays >= min_token_prob, at most max_spec_factor x the match length tokens (and gamma).
+    """Suffix decoding: every suffix of the context (at most max_depth tokens) found in a suffix trie of this request's
+    context or in one of the responses of earlier requests (this object's, across `generate` calls, as emitted)
+    proposes its most frequent continuation token by token while the path's empirical probability stays >=
+    min_token_prob, at most max_spec_factor x the match length tokens (and gamma); the best-scoring one is drafted.
 
     A request's own earlier response (the same prompt in an earlier call: a benchmark's repeat) is discounted for
     that row alone, so a repeat cannot look its answer up while the other rows still can."""
@@ -104,6 +104,11 @@ class SuffixDraft:
             self._running.append((prompt, context))
             rows.append((context, self._responses.get(prompt)))
         return rows
+
+    def finish(self, responses: list[list[int]]) -> None:
+        """The call's emitted tokens per prompt (prompt order), filed at the next call instead of the rows' contexts,
+        which may hold accepted drafts past a stop token and lack the last emitted token."""
+        self._running = [(prompt, list(prompt) + list(out)) for (prompt, _), out in zip(self._running, responses)]
 
     def _remember(self, prompt: tuple, response: list[int]) -> None:
         """The newest response to a prompt replaces its older one; past max_cached_requests the oldest leaves."""
@@ -209,7 +214,8 @@ class _Node:
 
 
 def _insert(root: _Node, tokens: list[int], depth: int, sign: int) -> None:
-    """Add (sign +1) or remove (-1) every substring of at most `depth` tokens of `tokens`."""
+    """Add (sign +1) or remove (-1) every substring of at most `depth` tokens of `tokens`; a substring no response
+    holds any more leaves the trie (with all below it), so the trie holds the cached responses only."""
     for i in range(len(tokens)):
         node = root
         for t in tokens[i : i + depth]:
@@ -217,6 +223,9 @@ def _insert(root: _Node, tokens: list[int], depth: int, sign: int) -> None:
             if child is None:
                 child = node.children[t] = _Node()
             child.count += sign
+            if child.count <= 0:  # its continuations occurred with it: none of them is left either
+                del node.children[t]
+                break
             node = child
 
 
@@ -319,14 +328,13 @@ class SuffixState:
         for own, shared in zip(self.own, self.shared):
             best, best_score = [], 0.0
             for active in (own, shared):
-                # the deepest suffix that continued somewhere (in the own trie: earlier in this context)
+                # every matched suffix length, deepest first (ties keep the deeper): a long match near max_depth has
+                # little room left below it in the depth-limited trie, where a shorter one can continue further
                 for match in range(len(active) - 1, 0, -1):
-                    if any(_child(active[match], t) is not None for t in active[match][0].children):
-                        budget = min(gamma, int(draft.max_spec_factor * match))
-                        tokens, score = _speculate(active[match], budget, draft.min_token_prob)
-                        if score > best_score:
-                            best, best_score = tokens, score
-                        break
+                    budget = min(gamma, int(draft.max_spec_factor * match))
+                    tokens, score = _speculate(active[match], budget, draft.min_token_prob)
+                    if score > best_score:
+                        best, best_score = tokens, score
             proposals.append(best)
         limit = torch.tensor([len(p) for p in proposals], dtype=torch.long)
         x = torch.tensor([p + [0] * (gamma - len(p)) for p in proposals], dtype=torch.long).view(-1, gamma)

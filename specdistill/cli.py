@@ -282,10 +282,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from specdec_runtime.loading import load_model, stop_token_ids
     from specdec_runtime.tree import parse_tree
 
-    if args.tree and (not args.draft or _is_lookup(args.draft)):
-        raise UserError(
-            "--tree needs a draft model: a token tree is proposed by one (a lookup drafts chains; omit --tree)"
-        )
+    if args.tree and not args.draft:
+        raise UserError("--tree needs --draft: a token tree is proposed by a draft model (omit --tree to decode alone)")
+    if args.tree and _is_lookup(args.draft):
+        raise UserError("--tree needs a draft model: a lookup drafts chains; omit --tree")
     if args.tree:
         parse_tree(args.tree)  # a bad spec fails before the models load
     _check_local_model(args.draft)
@@ -418,7 +418,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from eval.sweep import resolve_candidates
     from specdistill.config import load_config
-    from specdistill.pipeline import config_candidates, dist_state, print0, run_lock, stage_eval
+    from specdistill.pipeline import check_shared_dir, config_candidates, dist_state, print0, run_lock, stage_eval
 
     overrides = list(args.overrides)
     if args.config and "=" in args.config and not Path(args.config).is_file():  # no CONFIG, only overrides
@@ -435,6 +435,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     # Every process reads a config's candidates from output_dir, which must then be shared by the nodes; rank 0 alone
     # writes the report, so an --out folder (or output_dir beside --drafts) may be local to its node.
     with run_lock(out if args.out else cfg.output_dir, dist, shared=not (args.out or args.drafts)):
+        if args.out and not args.drafts:  # the config's candidates still come from output_dir: every node reads it
+            check_shared_dir(cfg.output_dir, dist)
         candidates = resolve_candidates(args.drafts) if args.drafts else config_candidates(cfg)
         # A config's own candidates were trained and validated on its data section's prompts: eval refuses those.
         report = stage_eval(cfg, dist, candidates, out_dir=out, trained_on=None if args.drafts else cfg.data)

@@ -54,8 +54,10 @@ def test_every_ngram_proposal_matches_the_reference(lo, hi):
 
 
 def suffix_reference(context: list[int], depth: int, factor: float, min_prob: float, k: int) -> list[int]:
-    """Suffix decoding over the context alone, from scratch: the longest suffix (< depth) that occurred earlier with
-    a token after it, then the most frequent next token while the path probability stays >= min_prob."""
+    """Suffix decoding over the context alone, from scratch: from every suffix of m < depth tokens that occurred
+    earlier, the most frequent next token while the path probability stays >= min_prob (at most factor x m tokens,
+    substrings of at most depth tokens); the walk with the highest score (sum of its path probabilities) wins, the
+    longer match on a tie."""
 
     def after(s: list[int]) -> dict[int, int]:
         counts: dict[int, int] = {}
@@ -64,22 +66,21 @@ def suffix_reference(context: list[int], depth: int, factor: float, min_prob: fl
                 counts[context[i + len(s)]] = counts.get(context[i + len(s)], 0) + 1
         return counts
 
-    for m in range(min(depth - 1, len(context)), 0, -1):  # a continuation of m tokens is a substring of m + 1
-        s = context[len(context) - m :]
-        if after(s):
-            break
-    else:
-        return []
-    out, prob = [], 1.0
-    while len(out) < min(k, int(factor * m)) and len(s) < depth and after(s):
-        counts = after(s)
-        token = max(counts, key=lambda t: (counts[t], -list(counts).index(t)))
-        prob *= counts[token] / sum(counts.values())
-        if prob < min_prob:
-            break
-        out.append(token)
-        s = s + [token]
-    return out
+    best, best_score = [], 0.0
+    for m in range(min(depth, len(context)), 0, -1):
+        s, out, prob, score = context[len(context) - m :], [], 1.0, 0.0
+        while len(out) < min(k, int(factor * m)) and len(s) < depth and after(s):
+            counts = after(s)
+            token = max(counts, key=lambda t: (counts[t], -list(counts).index(t)))
+            prob *= counts[token] / sum(counts.values())
+            if prob < min_prob:
+                break
+            out.append(token)
+            score += prob
+            s = s + [token]
+        if score > best_score:
+            best, best_score = out, score
+    return best
 
 
 @pytest.mark.parametrize("depth,factor,min_prob", [(24, 1.0, 0.1), (3, 2.0, 0.0), (6, 0.5, 0.3)])
