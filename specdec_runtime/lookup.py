@@ -167,16 +167,16 @@ class NgramState:
 
     def __init__(self, draft: NgramDraft, batch_size: int, max_len: int, device: torch.device):
         self.draft = draft
-        self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+        # positions 0..max_len - 1, then a trash column for holes: a boolean-mask write would read the mask back to the
+        # host (a sync per step on CUDA); no window the match accepts reaches it (it lies past every row's length)
+        self.tokens = torch.zeros(batch_size, max_len + 1, dtype=torch.long, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     def extend(self, tokens: torch.Tensor, counts: torch.Tensor, last_only: bool = False, new_rows=None) -> None:
         """Append each row's real tokens (its last counts[b] columns); the prefill's call brings the prompts."""
         valid, positions = hole_layout(counts, self.lengths, tokens.shape[1])
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-        S = self.tokens.shape[1]
-        keep = valid & (positions < S)
-        self.tokens[rows.expand_as(positions)[keep], positions[keep]] = tokens[keep]
+        self.tokens[rows, torch.where(valid, positions, self.tokens.shape[1] - 1)] = tokens
         self.lengths = self.lengths + counts
 
     def propose(self, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,6 +53,27 @@ def test_every_ngram_proposal_matches_the_reference(lo, hi):
         assert got == [ngram_reference(c, lo, hi, 5) for c in contexts], seed
 
 
+def test_the_ngram_draft_reads_nothing_back_from_the_device(monkeypatch):
+    """Its state's writes and matches stay on the device (on CUDA a read back is a host sync per step); the step's
+    one read, the proposal's width, is lookup_step's."""
+    from helpers.syncs import count_host_syncs
+
+    syncs = count_host_syncs(monkeypatch, NgramState, ("extend", "propose"), moves=False)
+    getitem = torch.Tensor.__getitem__
+
+    def masked(self, index):  # a boolean-mask index has a data-dependent shape: the device reports it to the host
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts):
+            syncs["boolean mask index"] += 1
+        return getitem(self, index)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", masked)
+    target = tiny_llama(seed=1, layers=2)
+    want = hf_greedy(target, REPEATING, 12)
+    assert generate(Llama.from_hf(target), NgramDraft(3, 1), REPEATING, max_new_tokens=12).tokens == want
+    assert not syncs, syncs
+
+
 def suffix_reference(context: list[int], depth: int, factor: float, min_prob: float, k: int) -> list[int]:
     """Suffix decoding over the context alone, from scratch: from every suffix of m < depth tokens that occurred
     earlier, the most frequent next token while the path probability stays >= min_prob (at most factor x m tokens,
