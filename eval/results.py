@@ -196,7 +196,9 @@ def _target_only(parts: list[dict], temperature: float) -> dict:
         for i, point in enumerate(part["points"])
         if point.temperature == temperature and cand["rows"][i] is not None
     ]
-    calls = [call for row in rows for unit in row["runs"]["target_only"] for call in unit]
+    # settings measured together share one target-only arm (`sweep.measure_arms`): count its calls once
+    shared = {id(row["runs"]["target_only"]): row["runs"]["target_only"] for row in rows}
+    calls = [call for runs in shared.values() for unit in runs for call in unit]
     agg = merge_stats(calls).aggregate()
     return {
         "temperature": temperature,

@@ -12,9 +12,11 @@ serving engines run.
 The test prompts are split deterministically into two halves: the sweep measures every setting on the selection
 half, the recommendation picks one setting from those numbers, and that setting is measured again on the
 confirmation half (the choice never saw it) at every concurrency of `eval.batch_sizes`; eval/recommend.py decides
-from the confirmation numbers. Every measurement is a paired, repeated A/B (`specdec_runtime.ab`): target-only and
-speculative decoding alternate per unit (one batch of prompts) in ABBA order, `eval.repeats` times, after untimed
-warm-up calls on the unit holding the longest prompt. Decoding runs through `specdec_runtime.backends.fast_model`,
+from the confirmation numbers. Every measurement is paired and repeated (`specdec_runtime.ab`): per unit (one batch
+of prompts) target-only decoding and every speculative setting at the same temperature (all candidates, all
+num_draft_tokens) run once each, in an order that reverses from one unit and repeat to the next, `eval.repeats`
+times, after untimed warm-up calls on the unit holding the longest prompt; the settings share that one target-only
+arm (k settings cost k + 1 calls per unit and repeat, not 2k), so every candidate's draft is loaded at once. Decoding runs through `specdec_runtime.backends.fast_model`,
 the backend `bench` times (compact model + static cache + CUDA graphs on CUDA, its fast CPU path on the CPU unless
 `target.cpu_fast_path: false`); the report names it (`settings.backend`).
 
@@ -143,41 +145,69 @@ class Bench:
 
 
 def measure(bench: Bench, draft, prompts: list[EvalPrompt], setting: Setting, outputs: dict | None = None) -> dict:
-    """Paired, repeated A/B of one setting on `prompts` -> {"prompts", "runs": {arm: per unit, per repeat stats},
-    "peak": {arm: peak memory bytes over its timed calls}}. Warm-up: `bench.warmup` untimed calls per arm on the unit
-    with the longest prompt, speculative first (it sizes the target's static cache, which target-only reuses), then
-    every CUDA graph a shrinking batch can replay (`ab.capture_graphs`). `outputs` collects the target-only tokens
-    per prompt id (for the offline acceptance estimate)."""
-    units = full_units(prompts, setting.batch_size)
-    kwargs = dict(
-        num_draft_tokens=setting.num_draft_tokens,
-        draft_rule=setting.draft_rule,
-        sampling=SamplingParams(temperature=setting.temperature),
-        max_new_tokens=bench.max_new_tokens,
-        stop_token_ids=bench.stop_ids,
-    )
+    """Paired, repeated A/B of one setting on `prompts` (`measure_arms` with one speculative arm) -> {"prompts",
+    "runs": {arm: per unit, per repeat stats}, "peak": {arm: peak memory bytes over its timed calls}}."""
+    return measure_arms(bench, {"speculative": (draft, setting)}, prompts, outputs)["speculative"]
+
+
+def measure_arms(
+    bench: Bench, arms: dict, prompts: list[EvalPrompt], outputs: dict | None = None
+) -> dict[object, dict]:
+    """Paired, repeated timing of target-only decoding against every speculative arm {key: (draft, setting)} on
+    `prompts` -> per key {"prompts", "runs": {"target_only", "speculative"}, "peak": {"target_only", "speculative"}}.
+
+    The arms must share temperature and batch size: one target-only arm is their common baseline, and per unit and
+    repeat every arm runs once, in an order that reverses from one (unit, repeat) to the next (`ab.abba_order`), so
+    each arm sits at the same mean position of the sequence as target-only. With k speculative arms a unit costs
+    k + 1 calls per repeat instead of 2k. Every key's runs hold the same target-only list (one set of calls).
+
+    Warm-up: `bench.warmup` untimed calls per arm on the unit with the longest prompt, speculative arms first (they
+    size the target's static cache, which target-only reuses), then every CUDA graph a shrinking batch can replay
+    (`ab.capture_graphs`). `outputs` collects the target-only tokens per prompt id (for the offline estimate)."""
+    settings = [setting for _, setting in arms.values()]
+    if len({(s.temperature, s.batch_size) for s in settings}) != 1:
+        raise ValueError("measure_arms: every arm must share temperature and batch size (one target-only baseline)")
+    temperature, batch_size = settings[0].temperature, settings[0].batch_size
+    units = full_units(prompts, batch_size)
+    names = {f"speculative:{i}": key for i, key in enumerate(arms)}  # arm names for the schedule and the peaks
 
     def run(unit: int, arm: str, repeat: int) -> GenerationStats:
         gen = torch.Generator(device=bench.target.device).manual_seed(bench.seed + 7919 * repeat + unit)
-        spec = arm == "speculative"
+        draft, setting = arms[names[arm]] if arm in names else (None, None)
         ids = [p.ids for p in units[unit]]
         result = generate(
-            bench.target, draft if spec else None, ids, generator=gen, tree=setting.tree if spec else None, **kwargs
+            bench.target,
+            draft,
+            ids,
+            generator=gen,
+            tree=setting.tree if setting else None,
+            num_draft_tokens=setting.num_draft_tokens if setting else 1,
+            draft_rule=setting.draft_rule if setting else "greedy",
+            sampling=SamplingParams(temperature=temperature),
+            max_new_tokens=bench.max_new_tokens,
+            stop_token_ids=bench.stop_ids,
         )
-        if outputs is not None and not spec and repeat == 0:
+        if outputs is not None and draft is None and repeat == 0:
             outputs.update({p.id: tokens for p, tokens in zip(units[unit], result.tokens)})
         return result.stats
 
     warm = longest_unit([[p.ids for p in unit] for unit in units])
-    for arm in ("speculative", "target_only"):
+    for arm in [*names, "target_only"]:
         for _ in range(bench.warmup):
             run(warm, arm, 0)
-    capture_graphs(
-        bench.target, draft, batch_size=setting.batch_size, gamma=setting.num_draft_tokens, tree=setting.tree
-    )
+    for draft, setting in arms.values():
+        capture_graphs(bench.target, draft, batch_size=batch_size, gamma=setting.num_draft_tokens, tree=setting.tree)
     peaks = ArmPeaks(run, bench.target.device)  # each arm's own peak over its timed calls
-    runs = paired_runs(peaks, units=len(units), arms=("target_only", "speculative"), repeats=bench.repeats)
-    return {"prompts": [p for unit in units for p in unit], "runs": runs, "peak": peaks.bytes}
+    runs = paired_runs(peaks, units=len(units), arms=("target_only", *names), repeats=bench.repeats)
+    flat = [p for unit in units for p in unit]
+    return {
+        key: {
+            "prompts": flat,
+            "runs": {"target_only": runs["target_only"], "speculative": runs[arm]},
+            "peak": {"target_only": peaks.bytes["target_only"], "speculative": peaks.bytes[arm]},
+        }
+        for arm, key in names.items()
+    }
 
 
 def offline_acceptance(
@@ -278,24 +308,38 @@ def run_sweep(
     mine = selection[rank::world_size]
 
     outputs: dict[float, dict[str, list[int]]] = {}  # temperature -> prompt id -> target-only tokens
-    measured = []
+    # Every candidate's draft is loaded at once: all settings at one temperature share one target-only arm.
+    loaded = []
     for cand in candidates:
         draft, draft_tokenizer = load_draft(cand, device, dtype)
         if draft_tokenizer is not None:  # an EAGLE-3 head's ids are the target's by construction
             check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
         # a suffix draft keeps the responses of the candidate's earlier calls, as a serving engine's cache does
-        fast_draft = fast_model(draft, backend, draft=True) if cand.lookup is None else draft
-        rows = []
-        for point in points:  # a lookup proposes chains only: its tree points stay unmeasured (None)
-            skip = cand.lookup is not None and point.tree is not None
-            rows.append(
-                None if skip else measure(bench, fast_draft, mine, point, outputs.setdefault(point.temperature, {}))
-            )
-            bar.update(1)
+        loaded.append((draft, fast_model(draft, backend, draft=True) if cand.lookup is None else draft))
+    rows: dict[tuple[int, int], dict] = {}
+    for temperature in dict.fromkeys(point.temperature for point in points):
+        arms = {  # a lookup proposes chains only: its tree points stay unmeasured (None)
+            (c, i): (loaded[c][1], point)
+            for c, cand in enumerate(candidates)
+            for i, point in enumerate(points)
+            if point.temperature == temperature and not (cand.lookup is not None and point.tree is not None)
+        }
+        if arms:
+            rows.update(measure_arms(bench, arms, mine, outputs.setdefault(temperature, {})))
+        bar.update(sum(p.temperature == temperature for p in points) * len(candidates))
+    measured = []
+    for c, (draft, _) in enumerate(loaded):
         offline = {(t, r): offline_acceptance(target, draft, mine, outputs[t], t, r) for t, r in groups}
         offline_t1 = offline_acceptance(target, draft, mine, outputs[cfg.temperatures[-1]], 1.0, "sample")
-        measured.append(dict(rows=rows, offline=offline, offline_t1=offline_t1, params=_num_parameters(draft)))
-        del draft, fast_draft
+        measured.append(
+            dict(
+                rows=[rows.get((c, i)) for i in range(len(points))],
+                offline=offline,
+                offline_t1=offline_t1,
+                params=_num_parameters(draft),
+            )
+        )
+    del loaded
     bar.close()
 
     local = dict(points=points, candidates=measured)

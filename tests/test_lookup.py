@@ -279,6 +279,9 @@ def test_eval_measures_free_drafts_next_to_a_model_per_category(tmp_path):
     assert [c.kind for c in candidates] == ["standalone", "ngram", "suffix"]
     report = run_sweep(target, tokenizer, candidates, prompts, cfg, target_spec=str(folder), progress=False)
     by_name = {c["name"]: c for c in report["candidates"]}
+    # every setting at T = 0 (2 + 2 + 3 of them) is an arm next to one target-only arm: each of the 4 selection
+    # prompts runs target-only once per repeat, not once per setting
+    assert report["target_only"][0]["calls"] == 4 * cfg.repeats
     assert by_name["ngram:max=2,min=1"]["draft"] == "ngram:max=2,min=1" and by_name["suffix"]["kind"] == "suffix"
     for name in ("ngram:max=2,min=1", "suffix"):
         cand = by_name[name]
