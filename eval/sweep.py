@@ -16,9 +16,10 @@ from the confirmation numbers. Every measurement is paired and repeated (`specde
 of prompts) target-only decoding and every speculative setting at the same temperature (all candidates, all
 num_draft_tokens) run once each, in an order that reverses from one unit and repeat to the next, `eval.repeats`
 times, after untimed warm-up calls on the unit holding the longest prompt; the settings share that one target-only
-arm (k settings cost k + 1 calls per unit and repeat, not 2k), so every candidate's draft is loaded at once. Decoding runs through `specdec_runtime.backends.fast_model`,
-the backend `bench` times (compact model + static cache + CUDA graphs on CUDA, its fast CPU path on the CPU unless
-`target.cpu_fast_path: false`); the report names it (`settings.backend`).
+arm (k settings cost k + 1 calls per unit and repeat, not 2k), so every candidate's draft is loaded at once.
+Decoding runs through `specdec_runtime.backends.fast_model`, the backend `bench` times (compact model + static cache
++ CUDA graphs on CUDA, its fast CPU path on the CPU unless `target.cpu_fast_path: false`); the report names it
+(`settings.backend`).
 
 Prompts are split over processes (rank r takes every world-th prompt of each half); per-unit runs are gathered on
 every rank (the confirmation needs the choice); eval/results.py assembles the report, and rank 0 writes it.
