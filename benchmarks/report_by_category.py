@@ -36,7 +36,8 @@ def rows(report: dict, best: bool) -> list[list[str]]:
             for s in sorted(chains, key=lambda s: s["num_draft_tokens"]):
                 stats = s["by_category"][cat]
                 ci = stats.get("speedup_ci")
-                speed = f"{_num(stats.get('speedup'), 2)} [{_num(ci[0], 2)}, {_num(ci[1], 2)}]" if ci else "-"
+                speed = _num(stats.get("speedup"), 2)  # one prompt in the category: a point, no interval
+                speed += f" [{_num(ci[0], 2)}, {_num(ci[1], 2)}]" if ci else " (no interval: 1 unit)"
                 out.append(
                     [
                         cat,

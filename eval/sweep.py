@@ -152,7 +152,7 @@ def measure(bench: Bench, draft, prompts: list[EvalPrompt], setting: Setting, ou
 
 
 def measure_arms(
-    bench: Bench, arms: dict, prompts: list[EvalPrompt], outputs: dict | None = None
+    bench: Bench, arms: dict, prompts: list[EvalPrompt], outputs: dict | None = None, on_call=None
 ) -> dict[object, dict]:
     """Paired, repeated timing of target-only decoding against every speculative arm {key: (draft, setting)} on
     `prompts` -> per key {"prompts", "runs": {"target_only", "speculative"}, "peak": {"target_only", "speculative"}}.
@@ -164,7 +164,8 @@ def measure_arms(
 
     Warm-up: `bench.warmup` untimed calls per arm on the unit with the longest prompt, speculative arms first (they
     size the target's static cache, which target-only reuses), then every CUDA graph a shrinking batch can replay
-    (`ab.capture_graphs`). `outputs` collects the target-only tokens per prompt id (for the offline estimate)."""
+    (`ab.capture_graphs`). `outputs` collects the target-only tokens per prompt id (for the offline estimate);
+    `on_call()` runs after each timed call (a progress bar)."""
     settings = [setting for _, setting in arms.values()]
     if len({(s.temperature, s.batch_size) for s in settings}) != 1:
         raise ValueError("measure_arms: every arm must share temperature and batch size (one target-only baseline)")
@@ -199,7 +200,14 @@ def measure_arms(
     for draft, setting in arms.values():
         capture_graphs(bench.target, draft, batch_size=batch_size, gamma=setting.num_draft_tokens, tree=setting.tree)
     peaks = ArmPeaks(run, bench.target.device)  # each arm's own peak over its timed calls
-    runs = paired_runs(peaks, units=len(units), arms=("target_only", *names), repeats=bench.repeats)
+
+    def timed(unit: int, arm: str, repeat: int) -> GenerationStats:
+        stats = peaks(unit, arm, repeat)
+        if on_call is not None:
+            on_call()
+        return stats
+
+    runs = paired_runs(timed, units=len(units), arms=("target_only", *names), repeats=bench.repeats)
     flat = [p for unit in units for p in unit]
     return {
         key: {
@@ -303,7 +311,6 @@ def run_sweep(
         for point in [Setting(t, r, g, None, batch) for g in cfg.num_draft_tokens]
         + [Setting(t, r, depth, spec, batch) for spec, depth in trees.items()]
     ]
-    bar = tqdm(total=len(candidates) * len(points), desc="eval", disable=not progress or rank != 0)
     fast_target = fast_model(target, backend)
     bench = Bench(fast_target, cfg.max_new_tokens, stop_token_ids(target, tokenizer), seed, cfg.repeats, cfg.warmup)
     mine = selection[rank::world_size]
@@ -317,17 +324,22 @@ def run_sweep(
             check_vocab_compatible(tokenizer, draft_tokenizer, draft.config.vocab_size)
         # a suffix draft keeps the responses of the candidate's earlier calls, as a serving engine's cache does
         loaded.append((draft, fast_model(draft, backend, draft=True) if cand.lookup is None else draft))
-    rows: dict[tuple[int, int], dict] = {}
-    for temperature in dict.fromkeys(point.temperature for point in points):
-        arms = {  # a lookup proposes chains only: its tree points stay unmeasured (None)
+    by_temperature = {  # a lookup proposes chains only: its tree points stay unmeasured (None)
+        temperature: {
             (c, i): (loaded[c][1], point)
             for c, cand in enumerate(candidates)
             for i, point in enumerate(points)
             if point.temperature == temperature and not (cand.lookup is not None and point.tree is not None)
         }
+        for temperature in dict.fromkeys(point.temperature for point in points)
+    }
+    calls = sum(len(arms) + 1 for arms in by_temperature.values() if arms) * len(full_units(mine, batch)) * cfg.repeats
+    bar = tqdm(total=calls, desc="eval (timed calls)", disable=not progress or rank != 0)
+    rows: dict[tuple[int, int], dict] = {}
+    for temperature, arms in by_temperature.items():
         if arms:
-            rows.update(measure_arms(bench, arms, mine, outputs.setdefault(temperature, {})))
-        bar.update(sum(p.temperature == temperature for p in points) * len(candidates))
+            rows.update(measure_arms(bench, arms, mine, outputs.setdefault(temperature, {}), on_call=bar.update))
+    bar.close()
     measured = []
     for c, (draft, _) in enumerate(loaded):
         offline = {(t, r): offline_acceptance(target, draft, mine, outputs[t], t, r) for t, r in groups}
@@ -341,7 +353,6 @@ def run_sweep(
             )
         )
     del loaded
-    bar.close()
 
     local = dict(points=points, candidates=measured)
     parts = gather(local) if gather is not None and world_size > 1 else [local]
