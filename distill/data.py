@@ -54,7 +54,7 @@ from distill.prompt_roles import training_prompts, validation_prompts
 from distill.prompts import SELF_INSTRUCT, PromptRecord, load_prompts, render_chat, save_prompts
 from distill.self_instruct import self_instruct_prompts
 from specdec_runtime.atomic import NETWORK_LAG_S, staged_dir, wait_for_files, write_text
-from specdec_runtime.backends import BackendOptions, fast_model
+from specdec_runtime.backends import BackendOptions, fast_model, plan_rows
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.errors import UserError
 from specdec_runtime.loading import stop_token_ids
@@ -141,7 +141,8 @@ def generate_teacher_data(
     stop_ids = list(stop_token_ids(teacher, tokenizer))
     job = dict(cfg=cfg, out_dir=out_dir, teacher_id=teacher_id, seed=seed, stop_ids=stop_ids, rank=rank)
     # The model the engine decodes with; with an endpoint only self_instruct decodes here, on the HF teacher.
-    decoder = fast_model(teacher, backend) if cfg.generator == "runtime" else teacher
+    # the CPU fast path's layouts are planned for the batch's decode steps (every row count down to 1)
+    decoder = fast_model(teacher, plan_rows(backend, cfg.batch_size, {1})) if cfg.generator == "runtime" else teacher
     write_self_instruct = functools.partial(_self_instruct_records, decoder, tokenizer, barrier=barrier, **job)
     context = getattr(teacher.config, "max_position_embeddings", None)
     splits = _prompt_splits(tokenizer, cfg, context, write_self_instruct, log=print if rank == 0 else None)

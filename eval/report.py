@@ -7,7 +7,9 @@ Chain settings (`tree` null) make the per-gamma plots and tables; token-tree set
 "4,2,2,1" or "dynamic:16", num_draft_tokens = the tree's depth) get their own table and a tree-vs-chain plot, so a
 tree never shows up as a point on a gamma curve. Every speedup is shown with its 95 % bootstrap interval
 (`speedup_ci`): a [lo, hi] cell in the tables, error bars in the plots. The confirmation block (the chosen setting
-measured again on prompts the choice never saw, at every batch size) gets its own table and concurrency plot.
+measured again on prompts the choice never saw, at every batch size) gets its own table and concurrency plot. A
+setting's prompt-length buckets (`by_prompt_length`) get a table and a plot at the focus setting, a `machine` block a
+table; reports written before those keys render without them.
 
 The HTML has no external resources: inline CSS, every plot a PNG embedded as a base64 `data:` URI, so it can be
 mailed, attached to a W&B run or opened offline. The same plots are also written to `<out_dir>/plots/*.png`, which
@@ -82,6 +84,19 @@ CONFIRMATION_COLUMNS = [
     "peak_memory_bytes",
     "target peak_memory_bytes",
     "units",
+]
+PROMPT_LENGTH_COLUMNS = [
+    "candidate",
+    "prompt tokens",
+    "prompt_tokens",
+    "units",
+    "acceptance_rate",
+    "speedup",
+    "speedup_ci",
+    "ttft_s",
+    "target ttft_s",
+    "tpot_s",
+    "target tpot_s",
 ]
 # what train/loop.py writes to metrics.jsonl: train rows, and validation rows under eval/
 TRAINING_KEYS = (("train/loss", "eval/loss"), ("eval/expected_acceptance", "eval/greedy_match"))
@@ -196,6 +211,15 @@ def _setting_at(candidate: dict, focus: tuple[int, float, str]) -> dict | None:
 
 def _target_only_at(report: dict, temperature: float) -> dict | None:
     return next((t for t in report.get("target_only", []) if t["temperature"] == temperature), None)
+
+
+def _prompt_length_buckets(report: dict, focus: tuple[int, float, str]) -> tuple[list[str], list[tuple[str, dict]]]:
+    """(bucket names from the shortest prompts up, [(candidate, its `by_prompt_length`)]) at the focus setting, for
+    the candidates that have one (reports from before issue 28 have none)."""
+    per_cand = [(c["name"], (_setting_at(c, focus) or {}).get("by_prompt_length")) for c in report["candidates"]]
+    per_cand = [(name, buckets) for name, buckets in per_cand if buckets]
+    shortest = {name: b["prompt_tokens"][0] for _, buckets in per_cand for name, b in buckets.items()}
+    return sorted(shortest, key=shortest.get), per_cand
 
 
 def read_metrics(run_dir: str | Path | None) -> list[dict]:
@@ -320,6 +344,36 @@ def plot_by_category(report: dict) -> Figure | None:
     return fig
 
 
+def plot_by_prompt_length(report: dict) -> Figure | None:
+    """Per prompt-length bucket at the focus setting: each candidate's paired speedup with its interval, and TTFT and
+    TPOT next to the paired target-only arm's (gray, dashed; the settings at one temperature share it, so the
+    candidates' target-only lines coincide)."""
+    focus = focus_setting(report)
+    if focus is None:
+        return None
+    names, per_cand = _prompt_length_buckets(report, focus)
+    if not per_cand:
+        return None
+    fig, axes = _figure(3, width=3.8)
+    xs = list(range(len(names)))
+    for i, (cand, buckets) in enumerate(per_cand):
+        rows = [buckets.get(name) or {} for name in names]
+        axes[0].errorbar(xs, _column(rows, "speedup"), yerr=_yerr(rows), fmt="o-", color=f"C{i}", capsize=3, label=cand)
+        for ax, key in zip(axes[1:], ("ttft_s", "tpot_s")):
+            ax.plot(xs, [1e3 * _num(r.get(key)) for r in rows], "o-", color=f"C{i}", label=cand)
+            base = [1e3 * _num((r.get("target_only") or {}).get(key)) for r in rows]
+            ax.plot(xs, base, "s--", color="gray", label="target-only" if i == 0 else "_nolegend_")
+    axes[0].axhline(1.0, color="gray", lw=1, ls=":")  # target-only decoding
+    for ax, title in zip(axes, ("speedup vs target-only (95% CI)", "TTFT (ms)", "TPOT (ms)")):
+        ax.set_xticks(xs, names)
+        ax.set(title=title, xlabel="prompt tokens", xlim=(-0.5, len(names) - 0.5))
+        ax.grid(alpha=0.3)
+    gamma, temperature, rule = focus
+    fig.suptitle(f"by prompt length: num_draft_tokens={gamma}, T={temperature:g}, {rule}", fontsize=9)
+    _legend(axes[2], 7)
+    return fig
+
+
 def plot_latency(report: dict) -> Figure | None:
     focus = focus_setting(report)
     if focus is None:
@@ -438,6 +492,12 @@ PLOTS: list[tuple[str, str, Callable[[dict], Figure | None]]] = [
     ),
     ("per_position_acceptance", "Per-position acceptance at the recommended setting", plot_per_position),
     ("acceptance_by_category", "acceptance_rate per prompt category at the recommended setting", plot_by_category),
+    (
+        "speedup_by_prompt_length",
+        "Paired speedup (95% bootstrap interval), TTFT and TPOT by prompt length at the recommended setting "
+        "(gray, dashed: target-only)",
+        plot_by_prompt_length,
+    ),
     ("latency", "Time to first token and time per output token (dashed: target-only)", plot_latency),
     ("training_curves", "Distillation curves from each candidate's metrics.jsonl", plot_training),
 ]
@@ -476,6 +536,8 @@ def _value(row: dict, column: str):
 
 def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     out = []
+    if report.get("machine"):
+        out.append(("Machine", ["key", "value"], machine_rows(report["machine"])))
     target_only = report.get("target_only") or []
     out.append(
         (
@@ -549,6 +611,16 @@ def tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 [[cat] + [_category_cell(by_cat[name].get(cat)) for name in by_cat] for cat in categories],
             )
         )
+        length_rows = prompt_length_rows(report, focus)
+        if length_rows:
+            out.append(
+                (
+                    "Latency by prompt length (paired over the units whose prompts all fall in the bucket; "
+                    f"num_draft_tokens={gamma}, T={temperature:g}, {rule})",
+                    PROMPT_LENGTH_COLUMNS,
+                    length_rows,
+                )
+            )
     wins = kind_wins(report)
     if wins:
         temperature, rule, kinds, rows = wins
@@ -606,6 +678,45 @@ def kind_wins(report: dict) -> tuple[float, str, list[str], list[list[str]]] | N
         speed = f"{_fmt(stats['speedup'])} ({_fmt(stats.get('speedup_ci'), 'speedup_ci')})"
         rows.append([category, f"{kind}: {label}", speed, *cells, versus])
     return temperature, rule, kinds, rows
+
+
+def prompt_length_rows(report: dict, focus: tuple[int, float, str]) -> list[list[str]]:
+    """Rows of the prompt-length table: per candidate, its buckets at the focus setting from the shortest prompts up
+    ("prompt tokens" names the bucket, `prompt_tokens` the shortest and longest prompt measured in it)."""
+    names, per_cand = _prompt_length_buckets(report, focus)
+    rows = []
+    for cand, buckets in per_cand:
+        for name in (n for n in names if n in buckets):
+            rows.append([cand, name, *(_fmt(_value(buckets[name], k), k) for k in PROMPT_LENGTH_COLUMNS[2:])])
+    return rows
+
+
+def machine_rows(machine: dict, prefix: str = "") -> list[list[str]]:
+    """The report's `machine` block as (key, value) rows, in its own order: a list joined by spaces (the CPU flags),
+    nested dicts flattened into "layouts target qkv"-style keys, a {rows: layout} plan as one cell (`_layout_cell`)."""
+    rows = []
+    for key, value in machine.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(v, str) for v in value.values()):
+            rows.append([name, _layout_cell(value)])
+        elif isinstance(value, dict):
+            rows += machine_rows(value, f"{name} ") or [[name, "-"]]
+        elif isinstance(value, list):
+            rows.append([name, " ".join(map(str, value)) or "-"])
+        else:
+            rows.append([name, _fmt(value, key)])
+    return rows
+
+
+def _layout_cell(per_rows: dict) -> str:
+    """{rows: layout} -> "rows 1-4: kn, 5-32: packed": consecutive planned row counts with one layout merged."""
+    runs: list[list] = []  # [first rows, last rows, layout]
+    for n, layout in per_rows.items():
+        if runs and runs[-1][2] == layout:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n, layout])
+    return "rows " + ", ".join(f"{a}: {lay}" if a == b else f"{a}-{b}: {lay}" for a, b, lay in runs)
 
 
 def tree_rows(report: dict) -> list[list[str]]:

@@ -12,9 +12,11 @@ report is made of (`Candidate`, `Setting`) live here too: the sweep imports them
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,6 +30,10 @@ from specdec_runtime.eagle3 import is_eagle3_folder
 from specdec_runtime.metrics import GenerationStats, merge_stats
 
 LENGTH_BUCKETS = ("short", "medium", "long")
+PROMPT_LENGTH_EDGES = (64, 256)
+"""Inclusive upper edges, in prompt tokens, of the prompt-length buckets <=64, 65-256 and >256 (`by_prompt_length`).
+Fixed rather than quantiles, so one report's buckets mean the same as another's: short chat prompts (builtin:test's
+~20-60 tokens) land in the first, long-input prompts (builtin:long-input's ~370) in the last."""
 
 
 @dataclass
@@ -100,20 +106,54 @@ def _paired(runs: dict, gamma: int) -> dict:
     }
 
 
+def _units_by(units: list[list], key: Callable) -> dict[str, list[int]]:
+    """Per key(prompt): the indices of the units whose prompts all share it. A unit mixing keys counts in none: its
+    timings (one call for the whole batch) cannot be split between its prompts."""
+    out: dict[str, list[int]] = {}
+    for i, unit in enumerate(units):
+        keys = {key(p) for p in unit}
+        if len(keys) == 1:
+            out.setdefault(keys.pop(), []).append(i)
+    return out
+
+
 def _paired_by_category(runs: dict, units: list[list], gamma: int) -> dict[str, dict]:
     """Per category: the paired speedup (its interval from 2 units on) and the in-run cost ratio over the units whose
     prompts all belong to it (at batch size 1 every unit; a unit mixing categories counts in none)."""
-    by_unit: dict[str, list[int]] = {}
-    for i, unit in enumerate(units):
-        if len({p.category for p in unit}) == 1:
-            by_unit.setdefault(unit[0].category, []).append(i)
     out = {}
-    for category, idx in by_unit.items():
+    for category, idx in _units_by(units, lambda p: p.category).items():
         m = paired_metrics([runs["target_only"][i] for i in idx], [runs["speculative"][i] for i in idx], gamma)
         out[category] = {k: m[k] for k in ("speedup", "speedup_ci", "units", "cost_ratio")}
         if len(idx) < 2:  # one unit's ratio has no spread to bootstrap: no interval rather than a point posing as one
             out[category]["speedup_ci"] = None
     return out
+
+
+def prompt_length_bucket(n: int, edges: tuple[int, ...] = PROMPT_LENGTH_EDGES) -> str:
+    """The bucket of a prompt of n tokens, named by its edges: '<=64', '65-256' or '>256' for the default edges."""
+    i = bisect.bisect_left(edges, n)  # the first edge >= n: a prompt of exactly 64 tokens is in <=64
+    if i == 0:
+        return f"<={edges[0]}"
+    return f">{edges[-1]}" if i == len(edges) else f"{edges[i - 1] + 1}-{edges[i]}"
+
+
+def _paired_by_prompt_length(runs: dict, units: list[list], gamma: int) -> dict[str, dict]:
+    """Per prompt-length bucket, from the shortest prompts up: the paired speedup (its interval from 2 units on),
+    acceptance and both arms' TTFT / TPOT per request over the units whose prompts all fall in it (at batch size 1
+    every unit). A unit mixing buckets counts in none: its short prompts wait for its long prompt's prefill.
+    `prompt_tokens` is the [shortest, longest] prompt measured in the bucket."""
+    out = {}
+    for bucket, idx in _units_by(units, lambda p: prompt_length_bucket(len(p.ids))).items():
+        m = _paired({arm: [runs[arm][i] for i in idx] for arm in ("target_only", "speculative")}, gamma)
+        lengths = [len(p.ids) for i in idx for p in units[i]]
+        out[bucket] = {
+            "prompt_tokens": [min(lengths), max(lengths)],
+            **{k: m[k] for k in ("units", "speedup", "speedup_ci", "acceptance_rate", "ttft_s", "tpot_s")},
+            "target_only": {k: m["target_only"][k] for k in ("ttft_s", "tpot_s")},
+        }
+        if m["units"] < 2:  # as per category: one unit's ratio has no spread to bootstrap
+            out[bucket]["speedup_ci"] = None
+    return dict(sorted(out.items(), key=lambda item: item[1]["prompt_tokens"][0]))
 
 
 def _add_peaks(row: dict, measured: list[dict]) -> None:
@@ -184,6 +224,7 @@ def _setting(point: Setting, rows: list[dict], offline: float, cfg: EvalConfig) 
         "draft_forwards": once["draft_forwards"],
         "by_category": by_category,
         "by_length": group_requests(spec.requests, length_keys(spec.requests, ids, cfg.max_new_tokens), ids),
+        "by_prompt_length": _paired_by_prompt_length(runs, units, point.num_draft_tokens),
     }
 
 

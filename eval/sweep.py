@@ -37,7 +37,8 @@ from eval.config import EvalConfig, ServingConfig
 from eval.recommend import choose
 from eval.results import Candidate, Setting, build_report, confirmation_block, target_fingerprint
 from specdec_runtime.ab import ArmPeaks, capture_graphs, paired_runs
-from specdec_runtime.backends import BackendOptions, backend_name, fast_model, full_units, longest_unit
+from specdec_runtime.backends import BackendOptions, backend_name, fast_model, full_units, longest_unit, plan_rows
+from specdec_runtime.bench import machine_block
 from specdec_runtime.eagle3 import Eagle3Draft, first_step_logits
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.errors import UserError
@@ -311,6 +312,9 @@ def run_sweep(
         for point in [Setting(t, r, g, None, batch) for g in cfg.num_draft_tokens]
         + [Setting(t, r, depth, spec, batch) for spec, depth in trees.items()]
     ]
+    # the CPU fast path plans its weight layouts for every GEMM row count the sweep and confirmation run
+    widths = {1, 2, *(g + 1 for g in cfg.num_draft_tokens), *(tree_size(parse_tree(t))[1] + 1 for t in cfg.trees)}
+    backend = plan_rows(backend, max(cfg.batch_sizes), widths)
     fast_target = fast_model(target, backend)
     bench = Bench(fast_target, cfg.max_new_tokens, stop_token_ids(target, tokenizer), seed, cfg.repeats, cfg.warmup)
     mine = selection[rank::world_size]
@@ -367,6 +371,10 @@ def run_sweep(
         stop_ids=bench.stop_ids,
         split_counts=(len(selection), len(confirmation)),
     )
+    # what the numbers were measured on, and the target's decode step against the machine's weight-streaming floor
+    # (every setting at a temperature shares one target-only arm: the first one's calls)
+    first = next((row for row in rows.values() if row is not None), None)
+    report["machine"] = machine_block(fast_target, None, first["runs"]["target_only"] if first else [])
     if serving is not None:
         report["confirmation"] = confirm(
             report,

@@ -4,9 +4,9 @@
 
 - CUDA, Llama family: the compact model of `llama.py` in bf16 with a static KV cache and CUDA graphs for the decode
   and verify steps (`compact-static-cache+cuda-graphs`);
-- CPU, Llama family: the compact model's fast CPU path (`cpu.cpu_model`: fused, pre-packed weights;
-  `compact-static-cache+cpu-fused`), its steps compiled by Inductor on request (`cpu.compile_steps`;
-  `compact-static-cache+cpu-fused+inductor-frozen`);
+- CPU, Llama family: the compact model's fast CPU path (`cpu.cpu_model`: fused weights in the layouts timed fastest
+  on this machine, `BackendOptions.cpu_layouts`; `compact-static-cache+cpu-fused`), its steps compiled by Inductor
+  on request (`cpu.compile_steps`; `compact-static-cache+cpu-fused+inductor-frozen`);
 - an EAGLE-3 head stays a head (the engine pairs it with the target's states), laid out for the CPU there;
 - anything else: the HF model as given (`hf-eager`).
 
@@ -19,14 +19,15 @@
     backend_name(target)   # 'compact-static-cache+cpu-fused+inductor-frozen'
 """
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 from transformers import LlamaForCausalLM
 
 from .cpu import CPU_BACKEND, CPU_COMPILED_BACKEND, compile_steps, cpu_eagle3, cpu_model, draft_dtype
+from .cpu_tune import DEFAULT_ROWS, MODES, check_rows
 from .eagle3 import Eagle3Draft
 from .llama import Llama
 
@@ -39,6 +40,11 @@ class BackendOptions:
     """Decode Llama-family models through the fast CPU path (`cpu.cpu_model`); False: the HF models, eager."""
     cpu_compile: bool = False
     """Also compile the fast path's decode and verify steps with Inductor (`cpu.compile_steps`)."""
+    cpu_layouts: Literal["auto", "tune", "rule"] = "auto"
+    """How the fast path lays out its weights (`cpu_tune`): auto = the layouts timed fastest on this machine, from
+    its cached plan (timed at the first load, a few seconds); tune = time them again; rule = the fixed rule."""
+    cpu_layout_rows: tuple[int, ...] = DEFAULT_ROWS
+    """GEMM row counts (batch x tokens per step) the layouts are planned for; others take the nearest one's."""
 
     def __post_init__(self) -> None:
         if self.cpu_compile and not self.cpu_fast_path:
@@ -46,6 +52,9 @@ class BackendOptions:
                 "target.cpu_compile compiles the CPU fast path's steps, but target.cpu_fast_path is false: "
                 "set target.cpu_fast_path=true or target.cpu_compile=false"
             )
+        if self.cpu_layouts not in MODES:
+            raise ValueError(f"cpu_layouts={self.cpu_layouts!r}: use one of {', '.join(MODES)}")
+        object.__setattr__(self, "cpu_layout_rows", check_rows(self.cpu_layout_rows))  # frozen: sorted, unique
 
 
 @dataclass
@@ -70,14 +79,19 @@ class TargetConfig:
     Inductor (`cpu.compile_steps`): ~1.3x faster steps after ~30 s of compiling per graph and model the first time a
     process sees it, and up to one more copy of the weights per graph (docs/runtime.md); pays in long eval sweeps
     and serving processes. Needs cpu_fast_path."""
+    cpu_layouts: Literal["auto", "tune", "rule"] = "auto"
+    """On the CPU fast path, how the weights are laid out (specdec_runtime/cpu_tune.py): auto = per weight shape and
+    row count the layout timed fastest on this machine (timed once, a few seconds, then cached per machine in the
+    model cache), tune = time them again (after a hardware or torch change, on an idle machine), rule = the fixed
+    rule of earlier releases (transposed weights up to 4 rows, oneDNN-packed above)."""
 
     def __post_init__(self) -> None:
-        BackendOptions(self.cpu_fast_path, self.cpu_compile)  # raises on cpu_compile without cpu_fast_path
+        BackendOptions(self.cpu_fast_path, self.cpu_compile, self.cpu_layouts)  # raises on a bad combination
 
     @property
     def backend(self) -> BackendOptions:
         """The decoding backend these keys choose (`fast_model`)."""
-        return BackendOptions(self.cpu_fast_path, self.cpu_compile)
+        return BackendOptions(self.cpu_fast_path, self.cpu_compile, self.cpu_layouts)
 
 
 def fast_model(
@@ -85,21 +99,23 @@ def fast_model(
 ) -> torch.nn.Module:
     """The model the engine decodes `model` with (module docstring).
 
-    On the CPU fast path a target keeps fp32 numerics and a draft (`draft=True`) takes `cpu.draft_dtype()`; the
-    steps are compiled when `backend.cpu_compile` (CUDA has its graphs instead). An EAGLE-3 head stays an
+    On the CPU fast path a target keeps fp32 numerics and a draft (`draft=True`) takes `cpu.draft_dtype()`, both
+    laid out as `backend.cpu_layouts` says for `backend.cpu_layout_rows`; the steps are compiled when
+    `backend.cpu_compile` (CUDA has its graphs instead). An EAGLE-3 head stays an
     `Eagle3Draft`: on the CPU fast path a copy with its linears laid out once (`cpu.cpu_eagle3`, eager), elsewhere
     as it is. Any other model is returned as is.
     """
     if isinstance(model, Eagle3Draft):
         on_cpu = model.fc.weight.device.type == "cpu"
         fast = on_cpu and backend.cpu_fast_path and not model.cpu_fast
-        return cpu_eagle3(model, draft_dtype()) if fast else model
+        return cpu_eagle3(model, draft_dtype(), backend.cpu_layouts, backend.cpu_layout_rows) if fast else model
     if not isinstance(model, LlamaForCausalLM) or Llama.unsupported(model) is not None:
         return model  # e.g. another activation or a length-dependent rope: the generic HF path decodes it
     if model.device.type == "cuda":
         return Llama.from_hf(model, dtype=torch.bfloat16)
     if model.device.type == "cpu" and backend.cpu_fast_path:
-        fast = cpu_model(model, dtype=draft_dtype() if draft else torch.float32)
+        dtype = draft_dtype() if draft else torch.float32
+        fast = cpu_model(model, dtype, backend.cpu_layouts, backend.cpu_layout_rows)
         return compile_steps(fast) if backend.cpu_compile else fast
     return model
 
@@ -112,6 +128,14 @@ def backend_name(model: torch.nn.Module) -> str:
             return CPU_COMPILED_BACKEND if model.compiled_step is not None else CPU_BACKEND
         return "compact-static-cache+cuda-graphs" if model.device.type == "cuda" and model.use_graphs else "compact"
     return "hf-eager"
+
+
+def plan_rows(backend: BackendOptions, batch_size: int, widths: Iterable[int]) -> BackendOptions:
+    """`backend` with its planned GEMM rows extended to the steps a run makes: each width (tokens per forward: 1,
+    gamma + 1, a tree's nodes + 1) at one row and at the full batch; the row counts a shrinking batch passes
+    through in between take the nearest planned one's layout."""
+    extra = {b * w for w in widths for b in (1, batch_size)}
+    return replace(backend, cpu_layout_rows=tuple(sorted({*backend.cpu_layout_rows, *extra})))
 
 
 def full_units(items: Sequence, batch_size: int) -> list[list]:

@@ -22,6 +22,10 @@ hook on the target records the width HF really verified (`hf_assisted.draft_toke
 
 With `tree`, a token-tree run of the same pair joins them (our engine, same prompts), reported as `tree`. The lead's
 CLI wires this to `specdistill bench`.
+
+The JSON's `machine` block names the machine (`cpu_tune.machine_info`) and, on the CPU, the decode step as a
+multiple of the weight-streaming floor at the probed bandwidth, with the fast path's layouts (`machine_block`); the
+layouts are planned for the row counts this run makes (`backends.plan_rows`).
 """
 
 import copy
@@ -34,8 +38,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
-from .ab import capture_graphs, decode_s_per_token, paired_metrics, paired_runs, paired_speedup, pooled
-from .backends import BackendOptions, backend_name, fast_model, full_units, longest_unit
+from .ab import (
+    Runs,
+    capture_graphs,
+    decode_s_per_token,
+    graph_widths,
+    paired_metrics,
+    paired_runs,
+    paired_speedup,
+    pooled,
+)
+from .backends import BackendOptions, backend_name, fast_model, full_units, longest_unit, plan_rows
+from .cpu_tune import decode_floor_s, layout_summary, machine_info
 from .eagle3 import Eagle3Draft
 from .engine import generate
 from .loading import stop_token_ids
@@ -160,6 +174,8 @@ def run_bench(
     runs).
     """
     stop = stop_token_ids(target, tokenizer)
+    target_widths, draft_widths = graph_widths(num_draft_tokens, tree)  # a lookup verifies 1..gamma + 1 tokens
+    backend = plan_rows(backend, batch_size, {*range(1, num_draft_tokens + 2), *target_widths, *draft_widths})
     fast_target = fast_model(target, backend)
     lookup = isinstance(draft, NgramDraft | SuffixDraft)
     fast_draft = draft if lookup else fast_model(draft, backend, draft=True)
@@ -205,6 +221,7 @@ def run_bench(
     finally:
         hook.handle.remove()
     return _bench_result(runs, num_draft_tokens, tree, no_hf) | {
+        "machine": machine_block(fast_target, fast_draft, runs["target_only"]),
         "settings": {
             "num_draft_tokens": num_draft_tokens,
             "draft_rule": draft_rule,
@@ -220,7 +237,27 @@ def run_bench(
             "compact_model": fast_target is not target,
             "draft_kind": kind,
             "tree": tree,
-        }
+        },
+    }
+
+
+def machine_block(target: torch.nn.Module, draft, target_only: Runs) -> dict:
+    """The bench JSON's `machine`: what the numbers were measured on (`cpu_tune.machine_info`: CPU, ISA flags,
+    cores, threads, torch, probed bandwidth) and, for a target on the CPU, how close its decode step (the target's
+    forward, `phases.verify_s` per step of the target-only arm) comes to the weight-streaming floor
+    (`cpu_tune.decode_floor_s`; at batch size B the B rows of a step share one read of the weights); the fast
+    path's layouts per shape and row count, and how they were chosen."""
+    on_cpu = target.device.type == "cpu"
+    info = machine_info(probe=on_cpu)  # the probe measures host memory: no floor for a target on a GPU
+    phases = pooled(target_only).phases
+    step = phases.verify_s / phases.verify_forwards if phases.verify_forwards else None
+    floor = decode_floor_s(target, info["bandwidth_gb_s"]) if on_cpu and info["bandwidth_gb_s"] else None
+    return info | {
+        "decode_step_s": step,
+        "decode_floor_s": floor,
+        "decode_step_over_floor": step / floor if step and floor else None,
+        "layouts": {"target": layout_summary(target), "draft": layout_summary(draft)},
+        "layout_tuning": {"target": getattr(target, "cpu_tuning", None), "draft": getattr(draft, "cpu_tuning", None)},
     }
 
 
@@ -326,4 +363,11 @@ def format_bench_table(result: dict) -> str:
             value = "-" if row[name] is None else f"{row[name]:.3f}"
             ci = row.get(f"{name}_ci")
             lines.append(f"  {name:<{width}}{value}" + (f"  95% CI {_ci(ci)}" if ci else ""))
+    machine = result.get("machine") or {}
+    if machine.get("decode_step_over_floor"):
+        lines.append(
+            f"machine: {machine['cpu']}, {machine['torch_threads']} threads, {machine['bandwidth_gb_s']:.1f} GB/s; "
+            f"decode step {1e3 * machine['decode_step_s']:.2f} ms = {machine['decode_step_over_floor']:.2f}x the "
+            f"weight-streaming floor ({1e3 * machine['decode_floor_s']:.2f} ms)"
+        )
     return "\n".join(lines)

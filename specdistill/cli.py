@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on the CPU, compile the fast path's decode/verify steps with Inductor (~30 s per graph, outside timing)",
     )
+    bench.add_argument(
+        "--cpu-layouts",
+        choices=["auto", "tune", "rule"],
+        default="auto",
+        help="on the CPU, the fast path's weight layouts: auto = timed fastest on this machine (cached plan), "
+        "tune = time them again, rule = the fixed rule (default auto)",
+    )
 
     for name, text in (
         ("data", "generate the teacher's distillation data (resumable)"),
@@ -369,7 +376,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         seed=args.seed,
         repeats=args.repeats,
         tree=args.tree,
-        backend=BackendOptions(cpu_compile=args.cpu_compile),
+        backend=BackendOptions(cpu_compile=args.cpu_compile, cpu_layouts=args.cpu_layouts),
     )
     result.update(target=args.target, draft=args.draft, prompts=args.prompts, num_prompts=len(prompts))
     print(format_bench_table(result))

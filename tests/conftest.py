@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 
@@ -14,6 +15,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# The CPU fast path's layout plans and bandwidth probe, timed under a test run's load, stay out of the user's cache.
+os.environ.setdefault("SPECDISTILL_CPU_PLANS", tempfile.mkdtemp(prefix="specdistill-cpu-plans-"))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -35,8 +38,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture
 def isolated_cache(tmp_path, monkeypatch):
-    """A fresh SPECDISTILL_CACHE so conversions and random models are built by the test itself."""
+    """A fresh SPECDISTILL_CACHE so conversions, random models and CPU layout plans are built by the test itself."""
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECDISTILL_CPU_PLANS", raising=False)  # plans in this cache too (cpu-plans/)
     return tmp_path / "cache"
 
 

@@ -282,6 +282,11 @@ def test_eval_measures_free_drafts_next_to_a_model_per_category(tmp_path):
     # every setting at T = 0 (2 + 2 + 3 of them) is an arm next to one target-only arm: each of the 4 selection
     # prompts runs target-only once per repeat, not once per setting
     assert report["target_only"][0]["calls"] == 4 * cfg.repeats
+    # what it ran on: the CPU's flags, the target's decode step against the bandwidth floor, the layouts it chose
+    machine = report["machine"]
+    assert machine["cpu"] and machine["cores"] >= 1 and machine["bandwidth_gb_s"] > 0
+    assert machine["decode_step_over_floor"] == machine["decode_step_s"] / machine["decode_floor_s"] > 0
+    assert set(machine["layouts"]["target"]) >= {"qkv", "gate_up", "lm_head"}
     assert by_name["ngram:max=2,min=1"]["draft"] == "ngram:max=2,min=1" and by_name["suffix"]["kind"] == "suffix"
     for name in ("ngram:max=2,min=1", "suffix"):
         cand = by_name[name]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import statistics
 import struct
 import subprocess
 import warnings
@@ -17,6 +18,7 @@ from helpers.models import perturbed, tiny_llama
 from helpers.reports import TREE_ALPHA, make_report
 from matplotlib.container import BarContainer, ErrorbarContainer
 
+from eval import sweep
 from eval.config import EvalConfig
 from eval.report import (
     PLOTS,
@@ -27,6 +29,7 @@ from eval.report import (
     focus_setting,
     plot_acceptance_vs_gamma,
     plot_by_category,
+    plot_by_prompt_length,
     plot_concurrency,
     plot_latency,
     plot_per_position,
@@ -37,8 +40,19 @@ from eval.report import (
     render_markdown,
     write_reports,
 )
-from eval.results import Setting, _setting, group_requests, length_bucket, length_keys, write_json_atomic
+from eval.results import (
+    PROMPT_LENGTH_EDGES,
+    Candidate,
+    Setting,
+    _setting,
+    group_requests,
+    length_bucket,
+    length_keys,
+    prompt_length_bucket,
+    write_json_atomic,
+)
 from eval.sweep import Bench, EvalPrompt, measure
+from specdec_runtime.ab import paired_metrics
 from specdec_runtime.backends import fast_model
 from specdec_runtime.metrics import RequestStats
 from specdec_runtime.tree import parse_tree, tree_size
@@ -442,8 +456,8 @@ def test_every_plot_of_a_real_training_run_has_data(tmp_path_factory, tmp_path):
     assert {"train/loss", "eval/loss", "eval/expected_acceptance", "eval/greedy_match"} <= keys
     for name, _, plot in PLOTS:
         fig = plot(report)
-        if name == "tree_vs_chain":
-            assert fig is None  # no trees in this report
+        if name in ("tree_vs_chain", "speedup_by_prompt_length"):
+            assert fig is None  # no trees, and no prompt-length buckets (a report from before issue 28)
             continue
         for title, values in series_of(fig).items():
             assert values, f"{name} panel {title} has no data"
@@ -547,3 +561,158 @@ def test_sweep_setting_reports_each_arms_peak_and_prompt_counts():
     # per prompt (unit, row): its output length in each repeat; some prompt's repeats fall into different buckets
     per_prompt = [[call.requests[j].new_tokens for call in unit] for unit in row["runs"]["speculative"] for j in (0, 1)]
     assert any(len({length_bucket(n, 24) for n in ns}) > 1 for ns in per_prompt), per_prompt
+
+
+# --------------------------------------------------------------------------------------- by prompt length, machine
+
+
+def test_prompt_length_buckets_have_inclusive_upper_edges():
+    """64 and 256 are inclusive upper edges: an edge off by one either way moves a prompt of 64, 65, 256 or 257
+    tokens to the neighbouring bucket."""
+    cases = {1: "<=64", 20: "<=64", 64: "<=64", 65: "65-256", 256: "65-256", 257: ">256", 370: ">256"}
+    assert PROMPT_LENGTH_EDGES == (64, 256)
+    assert {n: prompt_length_bucket(n) for n in cases} == cases
+    names = [prompt_length_bucket(n, (4, 8, 16)) for n in (4, 5, 8, 9, 16, 17)]
+    assert names == ["<=4", "5-8", "5-8", "9-16", "9-16", ">16"]
+
+
+PROMPT_LENGTHS = (20, 20, 20, 20, 100, 100, 300, 300, 300, 300)  # selection (every other one): 20, 20, 100, 300, 300
+
+
+@pytest.fixture(scope="module")
+def prompt_length_sweep(tmp_path_factory) -> dict:
+    """A real sweep (tiny random target, itself as the draft, T = 0, gamma 2, 8 new tokens) on prompts of 20, 100 and
+    300 tokens, with every paired run `measure_arms` returned: {"report", "row": {"prompts", "runs", "peak"}}."""
+    from specdec_runtime.loading import load_model
+    from specdec_runtime.tiny import build_tiny_model
+
+    folder = build_tiny_model("tiny-llama", tmp_path_factory.mktemp("tiny") / "tiny")
+    target, tokenizer = load_model(str(folder), device="cpu")
+    prompts = [
+        EvalPrompt(f"p{i}", "chat", [(31 * i + 7 * j) % 256 for j in range(n)]) for i, n in enumerate(PROMPT_LENGTHS)
+    ]
+    cfg = EvalConfig(num_draft_tokens=[2], temperatures=[0.0], draft_rules=["greedy"], max_new_tokens=8, warmup=0)
+    measured, measure_arms = {}, sweep.measure_arms
+
+    def spy(*args, **kwargs):
+        rows = measure_arms(*args, **kwargs)
+        measured.update(rows)
+        return rows
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sweep, "measure_arms", spy)
+        report = sweep.run_sweep(
+            target, tokenizer, [Candidate("self", folder)], prompts, cfg, target_spec=str(folder), progress=False
+        )
+    return {"report": report, "row": measured[(0, 0)]}
+
+
+def test_by_prompt_length_is_the_paired_speedup_of_its_units(prompt_length_sweep):
+    """Each bucket holds the units of its prompts' lengths (not their outputs' lengths: every output has at most 8
+    tokens), with `paired_metrics` over exactly those units, no interval from one unit, and both arms' TTFT / TPOT
+    over the bucket's requests."""
+    (setting,) = prompt_length_sweep["report"]["candidates"][0]["settings"]
+    row = prompt_length_sweep["row"]
+    buckets = setting["by_prompt_length"]
+    assert list(buckets) == ["<=64", "65-256", ">256"]
+    expected = [(2, [20, 20]), (1, [100, 100]), (2, [300, 300])]  # 1 unit: the medium bucket
+    assert [(b["units"], b["prompt_tokens"]) for b in buckets.values()] == expected
+    for name, stats in buckets.items():
+        idx = [i for i, p in enumerate(row["prompts"]) if prompt_length_bucket(len(p.ids)) == name]
+        base, spec = ([row["runs"][arm][i] for i in idx] for arm in ("target_only", "speculative"))
+        want = paired_metrics(base, spec, 2)
+        assert stats["units"] == want["units"] == len(idx)
+        assert stats["speedup"] == want["speedup"] and stats["acceptance_rate"] == want["acceptance_rate"]
+        assert stats["speedup_ci"] == (want["speedup_ci"] if len(idx) > 1 else None)
+        for arm, got in ((spec, stats), (base, stats["target_only"])):
+            requests = [r for unit in arm for call in unit for r in call.requests]
+            assert got["ttft_s"] == pytest.approx(statistics.fmean(r.ttft_s for r in requests))
+            assert got["tpot_s"] == pytest.approx(statistics.fmean(r.tpot_s for r in requests if r.tpot_s is not None))
+
+
+def test_prompt_length_table_and_plot(prompt_length_sweep, tmp_path):
+    """report.md has one row per bucket (shortest first) with the speedup next to its interval and both arms'
+    latency; report.html embeds the plot, whose points are the buckets' numbers."""
+    report = prompt_length_sweep["report"]
+    buckets = report["candidates"][0]["settings"][0]["by_prompt_length"]
+    paths = write_reports(report, tmp_path / "eval")
+    rows = md_table(paths["md"].read_text(), "Latency by prompt length")
+    assert [(r["candidate"], r["prompt tokens"], r["units"]) for r in rows] == [
+        ("self", "<=64", "2"),
+        ("self", "65-256", "1"),
+        ("self", ">256", "2"),
+    ]
+    for r, b in zip(rows, buckets.values()):
+        assert float(r["speedup"]) == pytest.approx(b["speedup"], rel=1e-3)
+        assert r["speedup_ci"] == ("-" if b["speedup_ci"] is None else "[{:.3g}, {:.3g}]".format(*b["speedup_ci"]))
+        assert float(r["target tpot_s"]) == pytest.approx(b["target_only"]["tpot_s"], rel=1e-3)
+        assert float(r["ttft_s"]) == pytest.approx(b["ttft_s"], rel=1e-3)
+    page = paths["html"].read_text()
+    assert '<figure id="speedup_by_prompt_length"><img src="data:image/png;base64,' in page
+    assert png_size(paths["speedup_by_prompt_length"].read_bytes())[0] > 200
+    assert "(plots/speedup_by_prompt_length.png)" in paths["md"].read_text()
+    speedup_ax, _, tpot_ax = plot_by_prompt_length(report).axes
+    (bar,) = [c for c in speedup_ax.containers if isinstance(c, ErrorbarContainer)]
+    assert [float(y) for y in bar.lines[0].get_ydata()] == pytest.approx([b["speedup"] for b in buckets.values()])
+    assert [t.get_text() for t in speedup_ax.get_xticklabels()] == list(buckets)
+    spec_line, base_line = tpot_ax.lines
+    assert [float(y) for y in spec_line.get_ydata()] == pytest.approx([1e3 * b["tpot_s"] for b in buckets.values()])
+    want = [1e3 * b["target_only"]["tpot_s"] for b in buckets.values()]
+    assert base_line.get_label() == "target-only" and [float(y) for y in base_line.get_ydata()] == pytest.approx(want)
+
+
+def test_report_without_prompt_lengths_or_machine_still_renders(tmp_path):
+    """A report.json written before issue 28 (no `by_prompt_length`, no `machine`) renders as before; one candidate
+    without buckets next to one with them gets no rows."""
+    old = json.loads(json.dumps(make_report(tmp_path)))
+    assert plot_by_prompt_length(old) is None
+    paths = write_reports(old, tmp_path / "old")
+    md, page = paths["md"].read_text(), paths["html"].read_text()
+    assert "Latency by prompt length" not in md and "## Machine" not in md and "<h2>Machine</h2>" not in page
+    assert "speedup_by_prompt_length" not in paths and 'id="speedup_by_prompt_length"' not in page
+    setting = next(s for s in old["candidates"][1]["settings"] if (s["num_draft_tokens"], s["temperature"]) == (4, 0))
+    setting["by_prompt_length"] = {
+        ">256": {"prompt_tokens": [370, 380], "units": 1, "speedup": 1.2, "speedup_ci": None, "ttft_s": 0.2},
+    }
+    rows = md_table(write_reports(old, tmp_path / "mixed")["md"].read_text(), "Latency by prompt length")
+    assert [(r["candidate"], r["prompt tokens"], r["speedup_ci"], r["tpot_s"]) for r in rows] == [
+        ("config1-tv", ">256", "-", "-")
+    ]
+
+
+def test_machine_block_renders_what_is_there(tmp_path):
+    """Every key of `machine` in its order: lists joined, None as "-", one row per layout shape, an empty dict "-"."""
+    report = make_report(tmp_path)
+    report["machine"] = {
+        "cpu": "AMD EPYC 7B13",
+        "flags": ["avx2", "fma", "avx512f"],
+        "cores": 2,
+        "torch_threads": 2,
+        "torch": "2.13.0",
+        "bandwidth_gb_s": 11.3456,
+        "decode_floor_s": None,
+        "decode_step_over_floor": 1.4,
+        "layouts": {"target": {"qkv": {"1": "kn", "2": "kn", "3": "packed", "8": "packed"}}, "draft": {}},
+        "layout_tuning": {"target": {"layouts": "auto", "tune_s": 5.1}, "draft": None},
+    }
+    paths = write_reports(report, tmp_path / "eval")
+    cells = {r["key"]: r["value"] for r in md_table(paths["md"].read_text(), "Machine")}
+    assert cells == {
+        "cpu": "AMD EPYC 7B13",
+        "flags": "avx2 fma avx512f",
+        "cores": "2",
+        "torch_threads": "2",
+        "torch": "2.13.0",
+        "bandwidth_gb_s": "11.35",
+        "decode_floor_s": "-",
+        "decode_step_over_floor": "1.4",
+        "layouts target qkv": "rows 1-2: kn, 3-8: packed",  # consecutive row counts with one layout merged
+        "layouts draft": "-",
+        "layout_tuning target layouts": "auto",
+        "layout_tuning target tune_s": "5.1",
+        "layout_tuning draft": "-",
+    }
+    assert "<h2>Machine</h2>" in paths["html"].read_text() and "<td>avx2 fma avx512f</td>" in paths["html"].read_text()
+    report["machine"] = {"cpu": "x", "layouts": {}}
+    md = write_reports(report, tmp_path / "bare")["md"].read_text()
+    assert {r["key"]: r["value"] for r in md_table(md, "Machine")} == {"cpu": "x", "layouts": "-"}
