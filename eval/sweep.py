@@ -36,9 +36,16 @@ from tqdm.auto import tqdm
 from eval.config import EvalConfig, ServingConfig
 from eval.recommend import choose
 from eval.results import Candidate, Setting, build_report, confirmation_block, target_fingerprint
-from specdec_runtime.ab import ArmPeaks, capture_graphs, paired_runs
-from specdec_runtime.backends import BackendOptions, backend_name, fast_model, full_units, longest_unit, plan_rows
-from specdec_runtime.bench import machine_block
+from specdec_runtime.ab import ArmPeaks, capture_graphs, paired_runs, pooled
+from specdec_runtime.backends import (
+    BackendOptions,
+    backend_name,
+    fast_model,
+    full_units,
+    longest_unit,
+    machine_block,
+    plan_rows,
+)
 from specdec_runtime.eagle3 import Eagle3Draft, first_step_logits
 from specdec_runtime.engine import SamplingParams, generate
 from specdec_runtime.errors import UserError
@@ -373,8 +380,8 @@ def run_sweep(
     )
     # what the numbers were measured on, and the target's decode step against the machine's weight-streaming floor
     # (every setting at a temperature shares one target-only arm: the first one's calls)
-    first = next((row for row in rows.values() if row is not None), None)
-    report["machine"] = machine_block(fast_target, None, first["runs"]["target_only"] if first else [])
+    first = next(row for row in rows.values() if row is not None)  # every candidate has chain settings
+    report["machine"] = machine_block(fast_target, None, pooled(first["runs"]["target_only"]).phases)
     if serving is not None:
         report["confirmation"] = confirm(
             report,

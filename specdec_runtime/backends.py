@@ -27,9 +27,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from .cpu import CPU_BACKEND, CPU_COMPILED_BACKEND, compile_steps, cpu_eagle3, cpu_model, draft_dtype
-from .cpu_tune import DEFAULT_ROWS, MODES, check_rows
+from .cpu_tune import DEFAULT_ROWS, MODES, check_rows, decode_floor_s, layout_summary, machine_info
 from .eagle3 import Eagle3Draft
 from .llama import Llama
+from .metrics import Phases
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,25 @@ def plan_rows(backend: BackendOptions, batch_size: int, widths: Iterable[int]) -
     through in between take the nearest planned one's layout."""
     extra = {b * w for w in widths for b in (1, batch_size)}
     return replace(backend, cpu_layout_rows=tuple(sorted({*backend.cpu_layout_rows, *extra})))
+
+
+def machine_block(target: torch.nn.Module, draft, target_only: Phases) -> dict:
+    """`machine` of the bench JSON and the eval report: what the numbers were measured on (`cpu_tune.machine_info`:
+    CPU, ISA flags, cores, threads, torch, probed bandwidth) and, for a target on the CPU, how close its decode step
+    (the target's forward: `verify_s` per forward of the target-only arm's pooled phases) comes to the
+    weight-streaming floor (`cpu_tune.decode_floor_s`; at batch size B the B rows of a step share one read of the
+    weights); the fast path's layouts per shape and row count, and how they were chosen."""
+    on_cpu = target.device.type == "cpu"
+    info = machine_info(probe=on_cpu)  # the probe measures host memory: no floor for a target on a GPU
+    step = target_only.verify_s / target_only.verify_forwards if target_only.verify_forwards else None
+    floor = decode_floor_s(target, info["bandwidth_gb_s"]) if on_cpu and info["bandwidth_gb_s"] else None
+    return info | {
+        "decode_step_s": step,
+        "decode_floor_s": floor,
+        "decode_step_over_floor": step / floor if step and floor else None,
+        "layouts": {"target": layout_summary(target), "draft": layout_summary(draft)},
+        "layout_tuning": {"target": getattr(target, "cpu_tuning", None), "draft": getattr(draft, "cpu_tuning", None)},
+    }
 
 
 def full_units(items: Sequence, batch_size: int) -> list[list]:

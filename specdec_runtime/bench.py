@@ -24,8 +24,8 @@ With `tree`, a token-tree run of the same pair joins them (our engine, same prom
 CLI wires this to `specdistill bench`.
 
 The JSON's `machine` block names the machine (`cpu_tune.machine_info`) and, on the CPU, the decode step as a
-multiple of the weight-streaming floor at the probed bandwidth, with the fast path's layouts (`machine_block`); the
-layouts are planned for the row counts this run makes (`backends.plan_rows`).
+multiple of the weight-streaming floor at the probed bandwidth, with the fast path's layouts
+(`backends.machine_block`); the layouts are planned for the row counts this run makes (`backends.plan_rows`).
 """
 
 import copy
@@ -39,7 +39,6 @@ import torch
 from transformers import GenerationConfig
 
 from .ab import (
-    Runs,
     capture_graphs,
     decode_s_per_token,
     graph_widths,
@@ -48,8 +47,7 @@ from .ab import (
     paired_speedup,
     pooled,
 )
-from .backends import BackendOptions, backend_name, fast_model, full_units, longest_unit, plan_rows
-from .cpu_tune import decode_floor_s, layout_summary, machine_info
+from .backends import BackendOptions, backend_name, fast_model, full_units, longest_unit, machine_block, plan_rows
 from .eagle3 import Eagle3Draft
 from .engine import generate
 from .loading import stop_token_ids
@@ -221,7 +219,7 @@ def run_bench(
     finally:
         hook.handle.remove()
     return _bench_result(runs, num_draft_tokens, tree, no_hf) | {
-        "machine": machine_block(fast_target, fast_draft, runs["target_only"]),
+        "machine": machine_block(fast_target, fast_draft, pooled(runs["target_only"]).phases),
         "settings": {
             "num_draft_tokens": num_draft_tokens,
             "draft_rule": draft_rule,
@@ -238,26 +236,6 @@ def run_bench(
             "draft_kind": kind,
             "tree": tree,
         },
-    }
-
-
-def machine_block(target: torch.nn.Module, draft, target_only: Runs) -> dict:
-    """The bench JSON's `machine`: what the numbers were measured on (`cpu_tune.machine_info`: CPU, ISA flags,
-    cores, threads, torch, probed bandwidth) and, for a target on the CPU, how close its decode step (the target's
-    forward, `phases.verify_s` per step of the target-only arm) comes to the weight-streaming floor
-    (`cpu_tune.decode_floor_s`; at batch size B the B rows of a step share one read of the weights); the fast
-    path's layouts per shape and row count, and how they were chosen."""
-    on_cpu = target.device.type == "cpu"
-    info = machine_info(probe=on_cpu)  # the probe measures host memory: no floor for a target on a GPU
-    phases = pooled(target_only).phases
-    step = phases.verify_s / phases.verify_forwards if phases.verify_forwards else None
-    floor = decode_floor_s(target, info["bandwidth_gb_s"]) if on_cpu and info["bandwidth_gb_s"] else None
-    return info | {
-        "decode_step_s": step,
-        "decode_floor_s": floor,
-        "decode_step_over_floor": step / floor if step and floor else None,
-        "layouts": {"target": layout_summary(target), "draft": layout_summary(draft)},
-        "layout_tuning": {"target": getattr(target, "cpu_tuning", None), "draft": getattr(draft, "cpu_tuning", None)},
     }
 
 
