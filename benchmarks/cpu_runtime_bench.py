@@ -294,7 +294,7 @@ def main() -> None:
     options = {
         "rule": replace(tuned, cpu_layouts="rule"),
         "fast": replace(tuned, cpu_layouts="tune" if args.retune else "auto"),
-        "compiled": replace(tuned, cpu_compile=True),  # auto: the plan "fast" timed, when it ran first
+        "compiled": replace(tuned, cpu_compile=True),  # packed weights, GEMM kernels autotuned by Inductor
     }
     models, load_s = {}, {}
     for b in args.backends:
@@ -318,7 +318,7 @@ def main() -> None:
         + ", ".join(f"{b}={backend_name(t)}" for b, (t, _) in models.items())
         + f"; {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens\n"
         + f"{machine['cpu']} ({' '.join(machine['flags'])}), {machine['cores']} cores; "
-        + f"{machine['bandwidth_gb_s']:.1f} GB/s (copy, read + write): decode step floor {floor_ms:.2f} ms",
+        + f"{machine['bandwidth_gb_s']:.1f} GB/s (read): decode step floor {floor_ms:.2f} ms",
         flush=True,
     )
     tuning = {b: {"target": t.cpu_tuning, "draft": d.cpu_tuning} for b, (t, d) in models.items() if b != "hf"}

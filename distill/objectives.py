@@ -175,6 +175,63 @@ def _chunk_sums(
     return torch.stack([torch.where(mask, _term(name, t, s, s1, labels, beta), 0.0).sum() for name in names])
 
 
+class _FusedHeadSums(torch.autograd.Function):
+    """Sums of the terms over chunks of rows whose logits are `hidden @ weight.T`, with the gradient computed in the
+    forward pass (the fused linear loss of Liger-Kernel and Apple's Cut Cross-Entropy, on any device).
+
+    Per chunk the logits are computed once, the terms and their gradient w.r.t. the chunk's logits come from a local
+    autograd graph over the elementwise ops only, and that gradient goes straight into the hidden states' and the
+    head's gradients (two GEMMs); then the chunk's fp32 (rows, V) tensors are freed. The checkpointed path
+    (`_chunk_sums` under `checkpoint`) computes each chunk's logits and elementwise terms twice (forward, then
+    again in backward) and differentiates through the recomputation: one head GEMM and one pass of the terms more.
+
+    forward -> (the weighted total sum_i w_i sums_i, which carries the gradient; the per-term sums (n,), for the
+    metrics, non-differentiable). The weights must be the ones the caller's loss applies: the gradient is computed
+    for the weighted total and only scaled in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, teacher: list, chunks: list, fn, term_weights: Tensor):
+        """hidden (M, D), weight (V, D); teacher: [the teacher's (N, V) logits or None] (in a list: an inference
+        tensor, never an autograd input); chunks: per chunk of M's rows in order (its row indices into N, top-k
+        log-probs, top-k ids, labels, mask (n,)); fn: `_chunk_sums` bound to the objective."""
+        need_h, need_w = ctx.needs_input_grad[:2]
+        grad_h = torch.zeros_like(hidden) if need_h else None  # (M, D)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, D), fp32 accumulation
+        sums, start = [], 0
+        w = weight.detach()
+        for rows, *tensors in chunks:  # tensors: top-k log-probs, top-k ids, labels, mask (n,)
+            h = hidden[start : start + rows.shape[0]].detach()  # (n, D): the chunk's rows
+            # index_select of an inference tensor (the teacher's) gives a normal one, which autograd may save
+            teacher_logits = None if teacher[0] is None else teacher[0].index_select(0, rows)  # (n, V), one chunk
+            with torch.enable_grad():
+                logits = (h @ w.T).requires_grad_()  # (n, V); under autocast in its dtype, as the head would run
+                chunk_sums = fn(logits, *tensors, None, teacher_logits=teacher_logits)  # (len(names),)
+                (grad,) = torch.autograd.grad((chunk_sums * term_weights).sum(), logits)  # (n, V)
+            if need_h:
+                grad_h[start : start + h.shape[0]] = (grad @ w).to(hidden.dtype)
+            if need_w:
+                grad_w += (grad.T @ h).float()
+            sums.append(chunk_sums.detach())
+            start += h.shape[0]
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        per_term = torch.stack(sums).sum(0) if sums else term_weights.new_zeros(len(term_weights))
+        ctx.mark_non_differentiable(per_term)
+        return (per_term * term_weights).sum(), per_term
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor, _grad_per_term: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        return (
+            None if grad_h is None else grad_h * grad_total,
+            None if grad_w is None else grad_w * grad_total,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
 def _check_shapes(
     B: int, T: int, V: int, teacher: TeacherTargets | None, labels: Tensor | None, mask: Tensor, names: tuple[str, ...]
 ) -> None:
@@ -267,6 +324,12 @@ def distill_loss(
     ]
     fn = functools.partial(_chunk_sums, names=names, kd_temperature=kd_temperature, beta=beta)
     recompute = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (student, lm_head_weight))
+    count = mask.sum() if num_items is None else torch.as_tensor(num_items, device=mask.device)
+    count = count.clamp(min=1)
+    term_weights = torch.tensor(list(weights.values()), dtype=torch.float32, device=mask.device)
+    if recompute and lm_head_weight is not None:
+        total, sums = _fused_head_sums(tensors, teacher_logits, lm_head_weight, fn, term_weights, chunk_size)
+        return total / count.to(total.dtype), {name: (sums[i] / count).detach() for i, name in enumerate(names)}
     sums = []
     # split(), not one slice per chunk: a slice's backward writes its gradient into a zero-filled (N, V) tensor per
     # chunk (N / chunk_size full-size fills and adds), split's backward concatenates the chunks' gradients once.
@@ -280,10 +343,26 @@ def distill_loss(
         sums.append(checkpoint(bound, *chunk, use_reentrant=False) if recompute else bound(*chunk))
     total = torch.stack(sums).sum(0)  # (len(names),)
 
-    count = mask.sum() if num_items is None else torch.as_tensor(num_items, device=mask.device)
-    per_term = total / count.to(total.dtype).clamp(min=1)
-    loss = (per_term * torch.tensor(list(weights.values()), device=per_term.device)).sum()
+    per_term = total / count.to(total.dtype)
+    loss = (per_term * term_weights).sum()
     return loss, {name: per_term[i].detach() for i, name in enumerate(names)}
+
+
+def _fused_head_sums(
+    tensors: list, teacher_logits: Tensor | None, lm_head_weight: Tensor, fn, term_weights: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """The training path with the head applied in the loss: only the rows the mask keeps (a prompt's positions cost
+    nothing), in chunks through `_FusedHeadSums` -> (weighted total, per-term sums (n,))."""
+    student, topk_logprobs, topk_indices, labels, mask = tensors  # (N, ...) rows each
+    keep = mask.nonzero().squeeze(1)  # (M,) the valid rows; one host sync per loss
+    picked = [None if x is None else x.index_select(0, keep) for x in (topk_logprobs, topk_indices, labels)]
+    valid = mask.new_ones(keep.shape[0])  # (M,)
+    chunks = []
+    for start in range(0, keep.shape[0], chunk_size):
+        part = [None if x is None else x[start : start + chunk_size] for x in picked]
+        chunks.append((keep[start : start + chunk_size], *part, valid[start : start + chunk_size]))
+    hidden = student.index_select(0, keep)  # (M, D)
+    return _FusedHeadSums.apply(hidden, lm_head_weight, [teacher_logits], chunks, fn, term_weights)
 
 
 # ----------------------------------------------------------------------------------------------------------------

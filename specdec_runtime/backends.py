@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 from transformers import LlamaForCausalLM
 
-from .cpu import CPU_BACKEND, CPU_COMPILED_BACKEND, compile_steps, cpu_eagle3, cpu_model, draft_dtype
+from .cpu import CPU_BACKEND, CPU_COMPILED_BACKEND, compile_steps, compiled_layouts, cpu_eagle3, cpu_model, draft_dtype
 from .cpu_tune import DEFAULT_ROWS, MODES, check_rows, decode_floor_s, layout_summary, machine_info
 from .eagle3 import Eagle3Draft
 from .llama import Llama
@@ -40,7 +40,9 @@ class BackendOptions:
     cpu_fast_path: bool = True
     """Decode Llama-family models through the fast CPU path (`cpu.cpu_model`); False: the HF models, eager."""
     cpu_compile: bool = False
-    """Also compile the fast path's decode and verify steps with Inductor (`cpu.compile_steps`)."""
+    """Also compile the fast path's decode and verify steps with Inductor (`cpu.compile_steps`, autotuned); the
+    weights are then oneDNN-packed whatever `cpu_layouts` says (`cpu.compiled_layouts`): Inductor times the GEMM
+    kernels of each graph itself."""
     cpu_layouts: Literal["auto", "tune", "rule"] = "auto"
     """How the fast path lays out its weights (`cpu_tune`): auto = the layouts timed fastest on this machine, from
     its cached plan (timed at the first load, a few seconds); tune = time them again; rule = the fixed rule."""
@@ -116,8 +118,9 @@ def fast_model(
         return Llama.from_hf(model, dtype=torch.bfloat16)
     if model.device.type == "cpu" and backend.cpu_fast_path:
         dtype = draft_dtype() if draft else torch.float32
-        fast = cpu_model(model, dtype, backend.cpu_layouts, backend.cpu_layout_rows)
-        return compile_steps(fast) if backend.cpu_compile else fast
+        if backend.cpu_compile:  # Inductor's autotuner chooses the GEMM kernels of packed weights itself
+            return compile_steps(cpu_model(model, dtype, compiled_layouts(dtype), backend.cpu_layout_rows))
+        return cpu_model(model, dtype, backend.cpu_layouts, backend.cpu_layout_rows)
     return model
 
 

@@ -181,12 +181,23 @@ def cpu_eagle3(
     return fast.eval().requires_grad_(False)  # the norms stay Parameters: inference only, as `Llama.from_hf`
 
 
-def compile_steps(model: Llama) -> Llama:
+def compiled_layouts(dtype: torch.dtype) -> str:
+    """The layout a model whose steps `compile_steps` compiles is built with: oneDNN-packed (bf16 for a bf16 draft
+    where oneDNN has native bf16), the one whose GEMMs Inductor lowers and autotunes; the other layouts compiled
+    poorly (SmolLM2, 2-core AVX2, default Inductor: 104 ms a decode step with the timed plan's mix of `split`,
+    `kn` and `packed` vs 56 ms all `packed`)."""
+    return "packed_bf16" if dtype == torch.bfloat16 and bf16_native() else "packed"
+
+
+def compile_steps(model: Llama, autotune: bool = True) -> Llama:
     """Compile a `cpu_model`'s decode and verify steps (`Llama.step`) with Inductor and weight freezing, in place.
 
     Freezing makes the weights graph constants, so Inductor keeps the packed oneDNN layouts and fuses what lies
     between the GEMMs (rope, norms, SwiGLU, the cache writes); default Inductor cannot lower the packed
-    `mkldnn._linear_pointwise` at all. One graph per (tokens per step, power-of-two row count) with the window width
+    `mkldnn._linear_pointwise` at all. `autotune` (Inductor's max_autotune) times, per GEMM shape and row count of
+    each graph, Inductor's own C++ GEMM template against oneDNN's packed GEMM on this machine and keeps the faster:
+    the template streams fp32 weights at 17-20 GB/s for 1-4 rows where MKL and oneDNN reach 4-12 GB/s (2-core AVX2
+    EPYC), so the model should be built with every linear `packed` (`compiled_layouts`), which it recognises. One graph per (tokens per step, power-of-two row count) with the window width
     dynamic (`Llama._compiled`); graphs are tied to the cache tensors, so the caches are allocated generously
     (`llama.COMPILED_MIN_SLOTS`). Prefill stays eager. Measured in the loop (docs/benchmarks.md): decode steps 1.38x
     faster, but ~30 s of compiling and up to one more copy of the weights per graph: worth it for long eval sweeps
@@ -199,6 +210,7 @@ def compile_steps(model: Llama) -> Llama:
     torch._dynamo.config.accumulated_recompile_limit = max(
         torch._dynamo.config.accumulated_recompile_limit, 2 * RECOMPILE_LIMIT
     )
-    model.compiled_step = torch.compile(model.forward, dynamic=False)
+    options = {"max_autotune": True} if autotune else None
+    model.compiled_step = torch.compile(model.forward, dynamic=False, options=options)
     model.cache_shape, model.graphs = None, {}  # the next cache is allocated the compiled way (`setup_cache`)
     return model

@@ -11,6 +11,10 @@ caller's), the fastest of these layouts (`LAYOUTS`), as cuDNN's benchmark mode a
 - `packed`: the fp32 weight pre-packed for oneDNN (`mkldnn._reorder_linear_weight`, the layout Inductor's CPU
   freezing uses), run by `mkldnn._linear_pointwise`;
 - `nk`: the row-major (N, K) fp32 weight, `F.linear` (what HF runs);
+- `split`: the (K, N) fp32 weight cut along N into one slab per torch thread, (T, K, N / T), run as one `torch.bmm`:
+  MKL's small-M GEMM streams a weight on ~one core's bandwidth whatever the threads (2-core AVX2 EPYC: 1 row
+  through SmolLM2's weights 10-12 GB/s on 1 or 2 threads, a plain read 23 GB/s on 2), while a batched GEMM gives
+  each thread its own slab (16 GB/s, 1 row 33 vs 53 ms); offered only with more than one thread;
 - `packed_bf16` (a draft only, where oneDNN has native bf16 GEMMs): the bf16 weight pre-packed the same way;
   `kn_bf16`: a bf16 weight on `torch.mm` where it has not (only for a caller who asks for bf16 there).
 
@@ -21,7 +25,7 @@ threads, torch version) in the model cache, keyed per (shape, layer count, dtype
 `layouts="rule"` keeps the old fixed rule (`rule_layout`), `"tune"` times again, `"auto"` (default) times only what
 the cache lacks; a single layout name forces it on every linear (tests, debugging).
 
-The limit: `probe_bandwidth` copies a 256 MB tensor for ~1 s (GB/s counting read + write, cached with the plan) and
+The limit: `probe_bandwidth` reads a 256 MB tensor for ~1 s (GB/s, cached with the plan) and
 `decode_floor_s` divides the bytes of weights one decode step reads by it: no decode step can beat that floor, and
 `decode step / floor` says how far the fast path is from it. `machine_info` gathers what the bench and eval record.
 
@@ -53,12 +57,13 @@ from . import atomic
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("kn", "packed", "nk", "packed_bf16", "kn_bf16")
+LAYOUTS = ("kn", "packed", "nk", "split", "packed_bf16", "kn_bf16")
 """Every weight layout a `FusedLinear` can keep (module docstring)."""
 LAYOUT_DTYPE = {
     "kn": torch.float32,
     "packed": torch.float32,
     "nk": torch.float32,
+    "split": torch.float32,
     "packed_bf16": torch.bfloat16,
     "kn_bf16": torch.bfloat16,
 }
@@ -79,7 +84,7 @@ RULE_MARGIN = 0.10
 TUNE_MAX_BYTES = 512 * 2**20
 """At most this many bytes of one shape's weights per layout are timed (its first layers): SmolLM2's largest set
 (gate_up, 212 MB) is timed whole, and a larger model's weights stream from DRAM one weight at a time anyway."""
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 """Part of the machine key: a change to the candidates or to how they are timed invalidates cached plans."""
 GEMV_ROWS = 4
 """The fixed rule (`rule_layout`): up to this many rows an fp32 GEMM ran on the transposed (K, N) weight, more rows
@@ -103,14 +108,20 @@ def bf16_native() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def candidates(dtype: torch.dtype) -> tuple[str, ...]:
-    """The layouts timed for weights allowed `dtype`: a target (float32) keeps fp32 numerics; a draft allowed
+def allowed(dtype: torch.dtype) -> tuple[str, ...]:
+    """The layouts weights allowed `dtype` may take: a target (float32) keeps fp32 numerics; a draft allowed
     bfloat16 may also take bf16 weights."""
     if dtype == torch.float32:
-        return ("kn", "packed", "nk")
+        return ("kn", "packed", "nk", "split")
     if dtype == torch.bfloat16:
-        return ("kn", "packed", "nk", "packed_bf16" if bf16_native() else "kn_bf16")
+        return ("kn", "packed", "nk", "split", "packed_bf16" if bf16_native() else "kn_bf16")
     raise ValueError(f"the CPU fast path keeps weights in float32 or bfloat16, got {dtype}: pass one of those")
+
+
+def candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """The layouts timed for weights allowed `dtype`: `allowed`, less `split` with one torch thread (one slab: the
+    `kn` GEMM again)."""
+    return tuple(name for name in allowed(dtype) if name != "split" or torch.get_num_threads() > 1)
 
 
 def rule_layout(dtype: torch.dtype, rows: int, gemv: bool = True) -> str:
@@ -132,11 +143,25 @@ def lay_out(weight: torch.Tensor, layout: str) -> torch.Tensor:
             return torch.ops.mkldnn._reorder_linear_weight(w, 32)
         case "nk":
             return w
+        case "split":
+            return split_kn(w, torch.get_num_threads())
     raise ValueError(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
 
 
-def run_layout(layout: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, K) in the layout's dtype, w laid out by `lay_out` -> (M, N) in the layout's dtype."""
+def split_kn(weight: torch.Tensor, slabs: int) -> torch.Tensor:
+    """(N, K) -> (slabs, K, ceil(N / slabs)): slab s holds output columns s * n .. (s + 1) * n - 1, the last one
+    padded with zero columns (cut off again by `run_layout`)."""
+    N, K = weight.shape
+    n = -(-N // slabs)
+    padded = torch.cat([weight, weight.new_zeros(slabs * n - N, K)]) if slabs * n > N else weight
+    return padded.view(slabs, n, K).transpose(1, 2).contiguous()  # (T, K, n)
+
+
+def run_layout(
+    layout: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_features: int | None = None
+) -> torch.Tensor:
+    """x (M, K) in the layout's dtype, w laid out by `lay_out` -> (M, N) in the layout's dtype (`split` pads N to
+    a multiple of its slabs: `out_features` cuts the padding off; None keeps every column)."""
     bias = None if bias is None else bias.to(x.dtype)
     match layout:
         case "kn" | "kn_bf16":
@@ -145,6 +170,11 @@ def run_layout(layout: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
         case "nk":
             return F.linear(x, w, bias)
+        case "split":
+            slabs, _, n = w.shape
+            y = torch.bmm(x.expand(slabs, *x.shape), w)  # (T, M, n): one slab per thread
+            y = y.transpose(0, 1).reshape(x.shape[0], slabs * n)[:, :out_features]  # (M, N)
+            return y if bias is None else y.add_(bias)
     raise ValueError(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
 
 
@@ -196,7 +226,7 @@ class FusedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         layout = self.layout(x2.shape[0])
-        y = run_layout(layout, x2.to(LAYOUT_DTYPE[layout]), getattr(self, f"w_{layout}"), self.bias)
+        y = run_layout(layout, x2.to(LAYOUT_DTYPE[layout]), getattr(self, f"w_{layout}"), self.bias, self.out_features)
         return y.to(self.dtype).view(*x.shape[:-1], self.out_features)
 
 
@@ -249,7 +279,7 @@ def cheapest(samples: dict[str, list[float]]) -> str:
 
 def _stream(layout: str, x: torch.Tensor, weights: list[torch.Tensor], biases: list) -> None:
     for w, b in zip(weights, biases):  # each layer's weight once, as a forward reads them
-        run_layout(layout, x, w, b)
+        run_layout(layout, x, w, b, None if b is None else b.shape[0])
 
 
 def tune(ws: WeightSet, rows: Sequence[int], timer: Timer = clock, reps: int = TUNE_REPS) -> dict[int, str]:
@@ -364,16 +394,19 @@ def write_plan(key: dict, shapes: dict | None = None, bandwidth_gb_s: float | No
 
 
 def probe_bandwidth(seconds: float = 1.0, megabytes: int = 256) -> float:
-    """GB/s of copying a `megabytes` tensor, read + write counted, the median over ~`seconds` of copies."""
+    """GB/s of reading a `megabytes` tensor (a sum over it), the median over ~`seconds` of passes.
+
+    A read, not a copy: a decode step only reads its weights, and a copy's traffic (read, write and the write's
+    allocating read) measured less than a read on the same machine (2-core AVX2 EPYC: copy 18.6-19.9 GB/s counting
+    read + write, sum 23.3 GB/s), which would put the floor too high and flatter every step measured against it."""
     src = torch.ones(megabytes * 2**20 // 4)  # written: untouched pages would all read the one shared zero page
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # faults the destination's pages in, outside the timing
+    src.sum()  # first touch and thread start-up, outside the timing
     times, deadline = [], time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(times) < 3:
         start = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         times.append(time.perf_counter() - start)
-    return 2 * src.nbytes / statistics.median(times) / 1e9
+    return src.nbytes / statistics.median(times) / 1e9
 
 
 def bandwidth_gb_s(probe: bool = True) -> float | None:
@@ -429,13 +462,13 @@ def layout_summary(model) -> dict[str, dict[int, str]]:
 
 def check_layouts(layouts: str, dtype: torch.dtype) -> None:
     """A `layouts` setting the fast path takes for weights allowed `dtype`, else one error naming the choices."""
-    allowed = candidates(dtype)
-    if layouts in MODES or layouts in allowed:
+    names = allowed(dtype)
+    if layouts in MODES or layouts in names:
         return
     also = f"; {layouts} is not a layout for {dtype} weights" if layouts in LAYOUTS else ""
     raise ValueError(
         f"layouts={layouts!r}: use 'auto' (the cached plan, else timing), 'tune' (time again), 'rule' (the fixed "
-        f"rule) or one layout to force: {', '.join(allowed)}{also}"
+        f"rule) or one layout to force: {', '.join(names)}{also}"
     )
 
 
@@ -465,8 +498,8 @@ class Planner:
             return {r: rule_layout(ws.dtype, r, ws.gemv) for r in self.rows}
         if self.mode in LAYOUTS:
             return dict.fromkeys(self.rows, self.mode)
-        allowed = candidates(ws.dtype)
-        known = {r: layout for r, layout in self.cached.get(ws.key, {}).items() if layout in allowed}
+        names = candidates(ws.dtype)
+        known = {r: layout for r, layout in self.cached.get(ws.key, {}).items() if layout in names}
         missing = [r for r in self.rows if r not in known]
         if missing:
             start = time.perf_counter()

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers.models import LLAMA_PROMPTS, hf_greedy, perturbed, tiny_llama
 
 import specdec_runtime.cpu_tune as cpu_tune
@@ -185,8 +186,37 @@ def test_a_damaged_plan_file_is_timed_again(isolated_cache):
 # ------------------------------------------------------------------------------------------ identity, memory, options
 
 
-@pytest.mark.parametrize("layout", ["kn", "packed", "nk", "rule", "auto"])
-def test_every_layout_on_every_linear_keeps_hf_greedy_output(layout):
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads: `split` lays a weight out in one slab per thread (one slab would be `kn` again)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("slabs", [1, 2, 3])
+@pytest.mark.parametrize("n_out", [96, 97])
+def test_the_split_layout_computes_the_linear_for_any_slab_count(slabs, n_out):
+    gen = torch.Generator().manual_seed(0)
+    weight, bias, x = (torch.randn(*shape, generator=gen) for shape in ((n_out, 32), (n_out,), (5, 32)))
+    w = cpu_tune.split_kn(weight, slabs)
+    assert w.shape == (slabs, 32, -(-n_out // slabs))  # the last slab padded with zero columns
+    for b in (None, bias):
+        torch.testing.assert_close(cpu_tune.run_layout("split", x, w, b, n_out), F.linear(x, weight, b))
+        torch.testing.assert_close(cpu_tune.run_layout("split", x[:1], w, b, n_out), F.linear(x[:1], weight, b))
+
+
+def test_split_is_timed_only_with_more_than_one_thread(two_threads):
+    assert "split" in candidates(torch.float32) and "split" in candidates(torch.bfloat16)
+    torch.set_num_threads(1)
+    assert "split" not in candidates(torch.float32) and "split" in cpu_tune.allowed(torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["kn", "packed", "nk", "split", "rule", "auto"])
+def test_every_layout_on_every_linear_keeps_hf_greedy_output(layout, request):
+    if layout == "split":
+        request.getfixturevalue("two_threads")  # two slabs
     target, near = tiny_llama(0), perturbed(tiny_llama(0), 0.004, seed=2)
     reference = hf_greedy(target, LLAMA_PROMPTS, 16)
     fast = cpu_model(target, layouts=layout)
@@ -210,8 +240,10 @@ def test_a_bf16_draft_may_take_bf16_weights_and_a_target_may_not():
     assert generate(cpu_model(target), draft, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=16).tokens == reference
 
 
-@pytest.mark.parametrize("layout", ["kn", "packed", "nk", "rule"])
-def test_every_layout_of_an_eagle3_head_computes_what_the_head_computes(layout):
+@pytest.mark.parametrize("layout", ["kn", "packed", "nk", "split", "rule"])
+def test_every_layout_of_an_eagle3_head_computes_what_the_head_computes(layout, request):
+    if layout == "split":
+        request.getfixturevalue("two_threads")
     target = tiny_llama(seed=1, layers=6)
     head = Eagle3Draft.from_target(target, torch.arange(0, 64, 2), seed=0).eval()
     H = target.config.hidden_size

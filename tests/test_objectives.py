@@ -140,21 +140,81 @@ def test_teacher_logits_from_inference_mode_need_no_copy_and_give_the_same_gradi
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
 
-def test_hidden_states_path_equals_logits_path():
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(B, T, 5, generator=g, requires_grad=True)
-    weight = torch.randn(V, 5, generator=g, requires_grad=True)
+def _hidden_case(seed: int = 1, D: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=g, requires_grad=True)
+    weight = torch.randn(V, D, generator=g, requires_grad=True)
+    return hidden, weight
+
+
+@pytest.mark.parametrize("teacher_kind", ["full", "inference", "topk"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 1000])
+def test_hidden_states_path_equals_logits_path(teacher_kind, chunk_size):
+    """The training path (hidden states + head, its gradient computed in the forward: `_FusedHeadSums`) gives the
+    loss, the metrics and the gradients of plain autograd through the full logits: every term with a weight 0 one,
+    kd_temperature != 1, prompt rows masked with labels -100, a global token count."""
+    hidden, weight = _hidden_case()
     _, teacher, labels, mask = _batch()
-    objective = {"reverse_kl": 1.0, "ce": 1.0}
-    ref = _loss(hidden @ weight.T, TeacherTargets(logits=teacher), labels, mask, objective)
+    mask[2] = False  # a sequence with no valid row
+    labels = labels.masked_fill(~mask, -100)
+    with torch.inference_mode():
+        frozen = teacher.clone()
+    targets = {"full": TeacherTargets(logits=teacher), "inference": TeacherTargets(logits=frozen)}.get(teacher_kind)
+    targets = targets or _topk(teacher, 3)
+    objective = {"forward_kl": 1.0, "reverse_kl": 0.5, "jsd": 0.0, "tv": 1.0, "ce": 0.3}
+    kw = dict(kd_temperature=1.5, beta=0.3, num_items=40)
+    ref, ref_terms = distill_loss(hidden @ weight.T, targets, labels, mask, objective, **kw)
     ref_grads = torch.autograd.grad(ref, (hidden, weight))
-    loss, _ = distill_loss(
-        None, TeacherTargets(logits=teacher), labels, mask, objective, student_hidden=hidden, lm_head_weight=weight,
-        chunk_size=4,
-    )  # fmt: skip
+    loss, terms = distill_loss(
+        None, targets, labels, mask, objective, student_hidden=hidden, lm_head_weight=weight, chunk_size=chunk_size, **kw
+    )
     torch.testing.assert_close(loss, ref)
-    for grad, expected in zip(torch.autograd.grad(loss, (hidden, weight)), ref_grads):
-        torch.testing.assert_close(grad, expected)
+    torch.testing.assert_close(terms, ref_terms)
+    assert terms["jsd"] > 0  # weight 0: reported, no gradient
+    grads = torch.autograd.grad(3.0 * loss, (hidden, weight))  # the upstream gradient scales the stored one
+    for grad, expected in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, 3.0 * expected)
+    assert grads[0][2].abs().sum() == 0  # masked rows get an exact zero
+
+
+def test_hidden_states_path_with_a_frozen_head_or_an_empty_mask():
+    hidden, weight = _hidden_case()
+    _, teacher, labels, mask = _batch()
+    frozen = weight.detach()  # a head that does not train (tied to a frozen embedding)
+    ref = _loss(hidden @ frozen.T, TeacherTargets(logits=teacher), labels, mask, "jsd")
+    loss, _ = distill_loss(None, TeacherTargets(logits=teacher), labels, mask, "jsd", student_hidden=hidden,
+                           lm_head_weight=frozen)  # fmt: skip
+    torch.testing.assert_close(torch.autograd.grad(loss, hidden), torch.autograd.grad(ref, hidden))
+    empty = torch.zeros_like(mask)
+    loss, terms = distill_loss(None, TeacherTargets(logits=teacher), labels, empty, "jsd", student_hidden=hidden,
+                               lm_head_weight=weight)  # fmt: skip
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert loss.item() == 0 and terms["jsd"].item() == 0 and all(g.abs().sum() == 0 for g in grads)
+
+
+def test_the_training_path_runs_the_head_gemm_three_times_per_chunk_on_valid_rows_only():
+    """Forward logits, then the gradient into the hidden states and into the head: 3 GEMMs over the valid rows;
+    checkpointing (forward, recompute, 2 in backward) would run 4, and a loss over every row more rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HeadGemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and V in (*out.shape, *args[-1].shape):
+                self.rows.append(args[0].shape[0] if out.shape[-1] == V else None)
+            return out
+
+    hidden, weight = _hidden_case()
+    _, teacher, labels, mask = _batch()
+    with HeadGemms() as gemms:
+        loss, _ = distill_loss(None, TeacherTargets(logits=teacher), labels, mask, "jsd", student_hidden=hidden,
+                               lm_head_weight=weight, chunk_size=1000)  # fmt: skip
+        loss.backward()
+    assert len(gemms.rows) == 3 and gemms.rows[0] == mask.sum()  # one chunk: the logits of the valid rows only
 
 
 @pytest.mark.parametrize("name", KD_TERMS)
