@@ -197,12 +197,16 @@ def compile_steps(model: Llama, autotune: bool = True) -> Llama:
     `mkldnn._linear_pointwise` at all. `autotune` (Inductor's max_autotune) times, per GEMM shape and row count of
     each graph, Inductor's own C++ GEMM template against oneDNN's packed GEMM on this machine and keeps the faster:
     the template streams fp32 weights at 17-20 GB/s for 1-4 rows where MKL and oneDNN reach 4-12 GB/s (2-core AVX2
-    EPYC), so the model should be built with every linear `packed` (`compiled_layouts`), which it recognises. One graph per (tokens per step, power-of-two row count) with the window width
-    dynamic (`Llama._compiled`); graphs are tied to the cache tensors, so the caches are allocated generously
-    (`llama.COMPILED_MIN_SLOTS`). Prefill stays eager. Measured in the loop (docs/benchmarks.md): decode steps 1.38x
-    faster, but ~30 s of compiling and up to one more copy of the weights per graph: worth it for long eval sweeps
-    and serving processes, not for a few prompts. Output is the eager fast path's up to the fp32 rounding of fused
-    kernels (max |logit diff| ~4e-5 on SmolLM2), so greedy tokens can differ on near-exact ties only.
+    EPYC), so the model should be built with every linear `packed` (`compiled_layouts`), which it recognises.
+
+    One graph per (tokens per step, power-of-two row count) with the window width dynamic (`Llama._compiled`);
+    graphs are tied to the cache tensors, so the caches are allocated generously (`llama.COMPILED_MIN_SLOTS`).
+    Prefill stays eager. Measured in the loop (docs/benchmarks.md, 2-core AVX2 EPYC): decode steps 2.0x faster than
+    the eager fast path (35 vs 70 ms for SmolLM2, 1.45x the read-bandwidth floor), but minutes of compiling and
+    autotuning (386 s for the target's and a 4-layer draft's graphs of gamma 1 and 3 at batch 1) and up to one more
+    copy of the weights per graph: worth it for long eval sweeps and serving processes, not for a few prompts.
+    Output is the eager fast path's up to the fp32 rounding of fused kernels (max |logit diff| ~4e-5 on SmolLM2),
+    so greedy tokens can differ on near-exact ties only.
     Needs no_grad or inference_mode at call time (the engine decodes under no_grad)."""
     if not (isinstance(model, Llama) and model.cpu_fast):
         raise ValueError("compile_steps compiles the CPU fast path's model: build it with cpu_model(hf_model) first")
@@ -210,7 +214,9 @@ def compile_steps(model: Llama, autotune: bool = True) -> Llama:
     torch._dynamo.config.accumulated_recompile_limit = max(
         torch._dynamo.config.accumulated_recompile_limit, 2 * RECOMPILE_LIMIT
     )
-    options = {"max_autotune": True} if autotune else None
+    # the autotuner's per-GEMM report goes to stderr unless told not to: a user sees progress bars, not kernel tables
+    quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+    options = {"max_autotune": True, **quiet} if autotune else None
     model.compiled_step = torch.compile(model.forward, dynamic=False, options=options)
     model.cache_shape, model.graphs = None, {}  # the next cache is allocated the compiled way (`setup_cache`)
     return model

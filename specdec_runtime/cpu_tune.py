@@ -84,7 +84,7 @@ RULE_MARGIN = 0.10
 TUNE_MAX_BYTES = 512 * 2**20
 """At most this many bytes of one shape's weights per layout are timed (its first layers): SmolLM2's largest set
 (gate_up, 212 MB) is timed whole, and a larger model's weights stream from DRAM one weight at a time anyway."""
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 """Part of the machine key: a change to the candidates or to how they are timed invalidates cached plans."""
 GEMV_ROWS = 4
 """The fixed rule (`rule_layout`): up to this many rows an fp32 GEMM ran on the transposed (K, N) weight, more rows

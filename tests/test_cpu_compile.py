@@ -11,6 +11,7 @@ from distill.students import truncate_student
 from specdec_runtime.ab import capture_graphs
 from specdec_runtime.backends import BackendOptions, backend_name, fast_model
 from specdec_runtime.cpu import CPU_COMPILED_BACKEND, compile_steps, cpu_model
+from specdec_runtime.cpu_tune import layout_summary
 from specdec_runtime.engine import generate
 from specdistill.config import load_config
 
@@ -32,6 +33,9 @@ def compiled():
 def test_compiled_speculative_and_target_only_greedy_match_hf(compiled):
     hf, target, draft = compiled
     assert backend_name(target) == CPU_COMPILED_BACKEND and backend_name(draft) == CPU_COMPILED_BACKEND
+    for model in (target, draft):  # Inductor autotunes the GEMMs of packed weights; other layouts compiled poorly
+        layouts = {layout for plan in layout_summary(model).values() for layout in plan.values()}
+        assert layouts <= {"packed", "packed_bf16"}
     want = hf_greedy(hf, LLAMA_PROMPTS, 12)
     first = generate(target, draft, [LLAMA_PROMPTS[0]], num_draft_tokens=3, max_new_tokens=12)
     assert first.tokens == want[:1]

@@ -165,9 +165,8 @@ def test_hidden_states_path_equals_logits_path(teacher_kind, chunk_size):
     kw = dict(kd_temperature=1.5, beta=0.3, num_items=40)
     ref, ref_terms = distill_loss(hidden @ weight.T, targets, labels, mask, objective, **kw)
     ref_grads = torch.autograd.grad(ref, (hidden, weight))
-    loss, terms = distill_loss(
-        None, targets, labels, mask, objective, student_hidden=hidden, lm_head_weight=weight, chunk_size=chunk_size, **kw
-    )
+    head = dict(student_hidden=hidden, lm_head_weight=weight, chunk_size=chunk_size)
+    loss, terms = distill_loss(None, targets, labels, mask, objective, **head, **kw)
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(terms, ref_terms)
     assert terms["jsd"] > 0  # weight 0: reported, no gradient
