@@ -5,6 +5,7 @@
     rows = fetch_rows(train_ds, micro_batch_indices(order, step, micro, rank=rank, world=world,
                                                     batch_size=4, grad_accum=2))
     batch = collate(rows, max_seq_len=512, pad_id=pad_id, topk=False)   # input_ids, attention_mask, labels
+    batch = collate(rows, max_seq_len=512, pad_id=pad_id, topk=False, loss_on_prompt=True)   # prompt labels too
 
 The datasets themselves are written by distill/data.py; the loop that consumes these batches is train/loop.py.
 """
@@ -21,17 +22,18 @@ import numpy as np
 import torch
 
 from distill.config import DataConfig
-from distill.data import load_teacher_data
+from distill.data import TOPK_START, load_teacher_data
 from specdec_runtime.errors import UserError
 
-IGNORE = -100  # label of a position that predicts no response token
+IGNORE = -100  # label of a position that is not trained on (predicts no response token, or no token at all)
 
 
 def load_training_split(
     path: Path, columns: list[str], *, split: str, max_seq_len: int, log: Callable[[str], object] = print
 ) -> datasets.Dataset:
-    """The finished `split` dataset (training or validation) at `path` with `columns` only; refused when it lacks a
-    column (the top-k cache) or holds nothing to learn from within `max_seq_len` tokens."""
+    """The finished `split` dataset (training or validation) at `path` with `columns` only (and, with the top-k
+    columns, `TOPK_START` where the cache has it: where its rows start); refused when it lacks a column (the top-k
+    cache) or holds nothing to learn from within `max_seq_len` tokens."""
     ds = load_teacher_data(path)
     if len(ds) == 0:
         raise UserError(f"{path} holds no sequences; generate the {split} data again")
@@ -39,6 +41,8 @@ def load_training_split(
         raise UserError(
             f"{path} has no {missing} columns; distill.teacher=cache needs data generated with data.teacher_cache=true"
         )
+    if "topk_ids" in columns and TOPK_START in ds.column_names:
+        columns = [*columns, TOPK_START]
     full = int((np.asarray(ds.select_columns(["prompt_len"])[:]["prompt_len"]) >= max_seq_len).sum())
     if full == len(ds):
         raise UserError(
@@ -73,12 +77,15 @@ def fetch_rows(ds: datasets.Dataset, indices: list[int]) -> list[dict]:
     return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
-def collate(rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool) -> dict[str, torch.Tensor]:
+def collate(
+    rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool, loss_on_prompt: bool = False
+) -> dict[str, torch.Tensor]:
     """Right-padded batch of (prompt + response) rows, truncated to `max_seq_len` from the response end.
 
-    labels[b, t] is the token that position t predicts when it is a response token, IGNORE elsewhere, so the loss
-    mask is `labels != IGNORE`. With `topk`, the cached teacher top-k of response token j (which predicted token
-    prompt_len + j) sits at position prompt_len + j - 1, aligned with labels.
+    labels[b, t] is the token that position t predicts when it is a response token (with `loss_on_prompt`: any
+    token, prompt ones included; padding never), IGNORE elsewhere, so the loss mask is `labels != IGNORE`. With
+    `topk`, the cached top-k row that predicted token i sits at position i - 1, aligned with labels: row i - start of
+    the row's arrays, start being its `TOPK_START` (1 in a cache with prompt rows) or else its prompt_len.
     """
     ids = [row["input_ids"][:max_seq_len] for row in rows]
     B, T = len(rows), max(len(x) for x in ids)
@@ -87,19 +94,25 @@ def collate(rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool) -> d
     labels = torch.full((B, T), IGNORE, dtype=torch.long)
     if topk:
         K = next((len(row["topk_ids"][0]) for row in rows if row["topk_ids"]), 1)
-        # Harmless filler where no response token is predicted: K distinct ids holding K/(K+1) of the mass.
+        # Harmless filler where nothing is trained: K distinct ids holding K/(K+1) of the mass.
         topk_ids = torch.arange(K).expand(B, T, K).clone()  # (B, T, K)
         topk_logprobs = torch.full((B, T, K), -math.log(K + 1))  # (B, T, K)
     for b, (row, x) in enumerate(zip(rows, ids)):
         n, P = len(x), row["prompt_len"]
         input_ids[b, :n] = torch.tensor(x)
         attention_mask[b, :n] = 1
-        first = max(P, 1)  # first response token that some position predicts
+        first = 1 if loss_on_prompt else max(P, 1)  # first trained token; token 0 is predicted by no position
         if first < n:
             labels[b, first - 1 : n - 1] = input_ids[b, first:n]
             if topk:
-                topk_ids[b, first - 1 : n - 1] = torch.tensor(row["topk_ids"][first - P : n - P])
-                topk_logprobs[b, first - 1 : n - 1] = torch.tensor(row["topk_logprobs"][first - P : n - P])
+                start = row.get(TOPK_START, P)  # the token the row's first cached top-k predicted
+                if first < start:
+                    raise ValueError(
+                        f"the cached top-k starts at token {start}, after token {first}: loss_on_prompt needs a "
+                        "cache with prompt rows"
+                    )
+                topk_ids[b, first - 1 : n - 1] = torch.tensor(row["topk_ids"][first - start : n - start])
+                topk_logprobs[b, first - 1 : n - 1] = torch.tensor(row["topk_logprobs"][first - start : n - start])
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     if topk:
         batch |= {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs}

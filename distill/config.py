@@ -80,7 +80,8 @@ class DataConfig:
     shard_size: int = 64
     """Prompts per written shard; a killed generation resumes at the first missing shard."""
     teacher_cache: bool = False
-    """Also store the teacher's top-k log-probs per response token, so distillation runs without the teacher."""
+    """Also store the teacher's top-k log-probs per response token (per prompt token too when a candidate trains from
+    the cache with distill.loss_on_prompt), so distillation runs without the teacher."""
     teacher_cache_top_k: int = 32
     """k of the offline teacher cache."""
     generator: Literal["runtime", "endpoint"] = "runtime"
@@ -154,6 +155,10 @@ class DistillConfig:
     and their gradient never exist (the full-logits path is kept automatically where the head cannot be reproduced,
     and under FSDP). Each chunk accumulates the head's (V, D) gradient once: on GPUs with a large vocabulary use a
     chunk_size of 1024 or more, or false when memory allows and the step is faster without it."""
+    loss_on_prompt: bool = False
+    """Train on every position that predicts a token of the sequence, prompt tokens included (validation still
+    measures response tokens only). With teacher=cache the data stage then stores the top-k for prompt positions
+    too, so the cache grows with the prompt length. The default is set by the measurement in docs/benchmarks.md."""
 
     def __post_init__(self) -> None:
         if isinstance(self.objective, str):  # a bare name from the command line means weight 1

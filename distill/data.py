@@ -7,6 +7,7 @@ distill/batches.py.
 
     data = generate_teacher_data(teacher, tokenizer, cfg.data, Path(cfg.output_dir) / "data", teacher_id=spec)
     train = load_teacher_data(data.train)   # columns: id, category, input_ids, prompt_len[, topk_ids, topk_logprobs]
+                                            # [, topk_start: with prompt_topk, the top-k rows start at token 1]
 
 From the command line (CPU, 1 GPU, N processes: each writes its own shards, rank 0 merges):
 
@@ -76,20 +77,26 @@ class TeacherData:
 
 
 AUX_HIDDEN = "aux_hidden"  # offline cache for EAGLE-3 heads: (tokens, n_aux * H) fp16, every prompt + response position
+# The token the first top-k row predicts: 1 in a cache with prompt rows (distill.loss_on_prompt). Only such caches
+# have the column; without it the rows start at prompt_len, as in every cache written before it existed.
+TOPK_START = "topk_start"
 
 
-def features(top_k: int | None, aux_width: int | None = None) -> datasets.Features:
+def features(top_k: int | None, aux_width: int | None = None, prompt_topk: bool = False) -> datasets.Features:
     """Column types of the data; the top-k columns only when the offline teacher cache is on (top_k = K), the aux
-    hidden states (n_aux * H wide) only when it also stores them for EAGLE-3 candidates."""
+    hidden states (n_aux * H wide) only when it also stores them for EAGLE-3 candidates, `TOPK_START` only when the
+    top-k rows cover the prompt positions too (`prompt_topk`)."""
     cols = {
         "id": datasets.Value("string"),  # "<prompt id>#<sample>"
         "category": datasets.Value("string"),
         "input_ids": datasets.List(datasets.Value("int32")),  # prompt + response (stop token included if emitted)
         "prompt_len": datasets.Value("int32"),  # the response (and the loss mask) starts here
     }
-    if top_k is not None:  # one row of K per response token
+    if top_k is not None:  # one row of K per predicted token: from TOPK_START (default prompt_len) to the end
         cols["topk_ids"] = datasets.List(datasets.List(datasets.Value("int32"), length=top_k))
         cols["topk_logprobs"] = datasets.List(datasets.List(datasets.Value("float16"), length=top_k))
+        if prompt_topk:
+            cols[TOPK_START] = datasets.Value("int32")
     if aux_width is not None:  # one row per token of prompt + response: every position is an EAGLE-3 key
         cols[AUX_HIDDEN] = datasets.List(datasets.List(datasets.Value("float16"), length=aux_width))
     return datasets.Features(cols)
@@ -111,6 +118,7 @@ def generate_teacher_data(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     aux_layers: list[int] | None = None,
+    prompt_topk: bool = False,
     backend: BackendOptions = BackendOptions(),
 ) -> TeacherData:
     """Generate (or find cached) teacher answers to the training and validation prompts.
@@ -122,6 +130,10 @@ def generate_teacher_data(
 
     `aux_layers` (HF output_hidden_states indices): with the offline cache on, also store the teacher's hidden
     states there, fp16, at every position (`AUX_HIDDEN`), for EAGLE-3 candidates that train from the cache.
+
+    `prompt_topk`: with the offline cache on, the training split's top-k rows cover every position that predicts a
+    token (tokens 1..len-1, `TOPK_START` = 1), for candidates with distill.loss_on_prompt; the validation split keeps
+    the response rows only (validation measures response tokens).
 
     The prompts are `prompt_roles.training_prompts` (the self_instruct ones written here by the teacher) and
     `prompt_roles.validation_prompts`: validation prompts are never trained on, and the dropped count is printed.
@@ -147,16 +159,22 @@ def generate_teacher_data(
     context = getattr(teacher.config, "max_position_embeddings", None)
     splits = _prompt_splits(tokenizer, cfg, context, write_self_instruct, log=print if rank == 0 else None)
     split_job = dict(world_size=world_size, barrier=barrier, aux_layers=aux_layers if cfg.teacher_cache else None)
+    # Validation measures response tokens only (train/validation.py): its cache never needs the prompt rows.
+    prompt_rows = {"teacher": prompt_topk and cfg.teacher_cache, "teacher-eval": False}
     with _datasets_bars_off():
         if cfg.generator == "runtime":
             paths = {
-                split: _generate_split(split, records, ids, teacher, decoder, **split_job, **job)
+                split: _generate_split(
+                    split, records, ids, teacher, decoder, prompt_topk=prompt_rows[split], **split_job, **job
+                )
                 for split, (records, ids) in splits.items()
             }
         else:
             fetch = _fetcher(tokenizer, cfg, stop_ids, rank, world_size)
             paths = {
-                split: _endpoint_split(split, records, ids, teacher, fetch, **split_job, **job)
+                split: _endpoint_split(
+                    split, records, ids, teacher, fetch, prompt_topk=prompt_rows[split], **split_job, **job
+                )
                 for split, (records, ids) in splits.items()
             }
     return TeacherData(train=paths["teacher"], validation=paths["teacher-eval"])
@@ -295,8 +313,10 @@ def fingerprint(
     seed: int,
     stop_ids: list[int],
     aux_layers: list[int] | None = None,
+    prompt_topk: bool = False,
 ) -> str:
-    """sha256[:12] over everything that decides the written tokens (and cached aux layers), and nothing else.
+    """sha256[:12] over everything that decides the written tokens (and cached aux layers, and whether the cached
+    top-k covers the prompt positions), and nothing else.
 
     batch_size is in it because each batch samples from its own generator: regrouping the rows changes which random
     numbers each row sees. shard_size is not: shards are runs of whole batches.
@@ -318,11 +338,19 @@ def fingerprint(
     }
     if aux_layers:  # only then: data generated before EAGLE-3 keeps its fingerprint
         key["aux_layers"] = aux_layers
+    if prompt_topk:  # only then, likewise; a response-only cache is never taken for a loss_on_prompt run
+        key["prompt_topk"] = True
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def endpoint_fingerprint(
-    split: str, responses: str, cfg: DataConfig, teacher_id: str, teacher_dtype: str, aux_layers: list[int] | None
+    split: str,
+    responses: str,
+    cfg: DataConfig,
+    teacher_id: str,
+    teacher_dtype: str,
+    aux_layers: list[int] | None,
+    prompt_topk: bool = False,
 ) -> str:
     """sha256[:12] of an endpoint's finished split: its responses (`endpoint.response_store`) and what our target's
     scoring pass adds to them."""
@@ -335,6 +363,8 @@ def endpoint_fingerprint(
         "teacher_cache": cfg.teacher_cache_top_k if cfg.teacher_cache else 0,
         "aux_layers": aux_layers or [],
     }
+    if prompt_topk:  # only then: finished splits written before the key existed keep their fingerprint
+        key["prompt_topk"] = True
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -365,9 +395,10 @@ def _generate_split(
     world_size: int,
     barrier: Callable[[], None] | None,
     aux_layers: list[int] | None,
+    prompt_topk: bool,
 ) -> Path:
     dtype = str(next(teacher.parameters()).dtype)
-    key = fingerprint(split, records, prompt_ids, cfg, teacher_id, dtype, seed, stop_ids, aux_layers)
+    key = fingerprint(split, records, prompt_ids, cfg, teacher_id, dtype, seed, stop_ids, aux_layers, prompt_topk)
     root = out_dir / f"{split}-{key}"
     if _cached(root, split, rank, barrier):
         return root
@@ -385,8 +416,10 @@ def _generate_split(
                 functools.partial(batch_seed, seed, split, b),
                 bar.update,
                 aux_layers,
+                prompt_topk,
             )
-            _write_atomic(_shard_dataset(columns, cfg, teacher, aux_layers), root / "shards" / shard_name(b))
+            shard = _shard_dataset(columns, cfg, teacher, aux_layers, prompt_topk)
+            _write_atomic(shard, root / "shards" / shard_name(b))
     return _finish(root, split, shards, len(records), cfg, rank=rank, barrier=barrier, aux_layers=aux_layers)
 
 
@@ -406,12 +439,14 @@ def _endpoint_split(
     world_size: int,
     barrier: Callable[[], None] | None,
     aux_layers: list[int] | None,
+    prompt_topk: bool,
 ) -> Path:
     """`_generate_split` with the responses of a server (distill/endpoint.py): the rows of this rank's missing
     shards are asked for (those already stored are not), then scored by our teacher and written as shards alike."""
     store = response_store(out_dir, split, records, prompt_ids, cfg, seed, stop_ids)
     dtype = str(next(teacher.parameters()).dtype)
-    root = out_dir / f"{split}-{endpoint_fingerprint(split, store.name, cfg, teacher_id, dtype, aux_layers)}"
+    key = endpoint_fingerprint(split, store.name, cfg, teacher_id, dtype, aux_layers, prompt_topk)
+    root = out_dir / f"{split}-{key}"
     if _cached(root, split, rank, barrier):
         return root
     rows = _rows_of(records, prompt_ids, cfg)
@@ -424,12 +459,13 @@ def _endpoint_split(
     with tqdm(total=sum(span.stop - span.start for _, span in todo), desc=f"{split} scoring", disable=quiet) as bar:
         for b, span in todo:
             answers = responses["ids"].take(np.searchsorted(where, np.arange(span.start, span.stop))).to_pylist()
-            columns = _empty_columns(cfg, aux_layers)
+            columns = _empty_columns(cfg, aux_layers, prompt_topk)
             for start in range(0, len(answers), cfg.batch_size):  # scoring batches, as the runtime's
                 batch, new = rows[span][start : start + cfg.batch_size], answers[start : start + cfg.batch_size]
-                _append_rows(columns, teacher, batch, new, cfg, aux_layers)
+                _append_rows(columns, teacher, batch, new, cfg, aux_layers, prompt_topk)
                 bar.update(len(batch))
-            _write_atomic(_shard_dataset(columns, cfg, teacher, aux_layers), root / "shards" / shard_name(b))
+            shard = _shard_dataset(columns, cfg, teacher, aux_layers, prompt_topk)
+            _write_atomic(shard, root / "shards" / shard_name(b))
     generator = functools.partial(endpoint_summary, store, cfg.endpoint.model)  # read once every rank has fetched
     job = dict(rank=rank, barrier=barrier, aux_layers=aux_layers, generator=generator)
     return _finish(root, split, shards, len(records), cfg, **job)
@@ -468,9 +504,11 @@ def _shards_todo(root: Path, shards: list[tuple[int, slice]], split: str, rank: 
     return [(b, span) for b, span in mine if not _shard_done(root / "shards" / shard_name(b), span, split)]
 
 
-def _shard_dataset(columns: dict, cfg: DataConfig, teacher, aux_layers: list[int] | None) -> datasets.Dataset:
+def _shard_dataset(
+    columns: dict, cfg: DataConfig, teacher, aux_layers: list[int] | None, prompt_topk: bool
+) -> datasets.Dataset:
     aux_width = len(aux_layers) * teacher.config.hidden_size if aux_layers else None
-    return datasets.Dataset.from_dict(columns, features=features(_cache_k(cfg), aux_width))
+    return datasets.Dataset.from_dict(columns, features=features(_cache_k(cfg), aux_width, prompt_topk))
 
 
 def _finish(
@@ -587,11 +625,12 @@ def _generate_shard(
     seed_of: Callable[[int], int],
     progress: Callable[[int], object],
     aux_layers: list[int] | None = None,
+    prompt_topk: bool = False,
 ) -> dict:
     """Columns of one shard: its (prompt, prompt ids, sample) rows, generated batch_size sequences at a time by
     `decoder` (the teacher, or its fast runtime model); the top-k cache comes from the HF teacher."""
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    columns = _empty_columns(cfg, aux_layers)
+    columns = _empty_columns(cfg, aux_layers, prompt_topk)
     for b, start in enumerate(range(0, len(rows), cfg.batch_size)):
         batch = rows[start : start + cfg.batch_size]
         generator = torch.Generator(device=teacher.device).manual_seed(seed_of(b))
@@ -604,46 +643,56 @@ def _generate_shard(
             stop_token_ids=stop_ids,
             generator=generator,
         )
-        _append_rows(columns, teacher, batch, result.tokens, cfg, aux_layers)
+        _append_rows(columns, teacher, batch, result.tokens, cfg, aux_layers, prompt_topk)
         progress(len(batch))
     return columns
 
 
-def _empty_columns(cfg: DataConfig, aux_layers: list[int] | None) -> dict[str, list]:
-    return {name: [] for name in features(_cache_k(cfg), 1 if aux_layers else None)}
+def _empty_columns(cfg: DataConfig, aux_layers: list[int] | None, prompt_topk: bool = False) -> dict[str, list]:
+    return {name: [] for name in features(_cache_k(cfg), 1 if aux_layers else None, prompt_topk)}
 
 
 def _append_rows(
-    columns: dict, teacher, batch: list[tuple], responses: list[list[int]], cfg: DataConfig, aux_layers
+    columns: dict,
+    teacher,
+    batch: list[tuple],
+    responses: list[list[int]],
+    cfg: DataConfig,
+    aux_layers,
+    prompt_topk: bool = False,
 ) -> None:
     """Append a batch of (prompt, prompt ids, sample) rows and their response ids to `columns`; with the offline
-    cache on, the teacher's top-k (and aux hidden states) over prompt + response come from one scoring forward."""
+    cache on, the teacher's top-k (and aux hidden states) over prompt + response come from one scoring forward: of
+    the response tokens, or with `prompt_topk` of every token but the first (which no position predicts)."""
     seqs = [ids + list(new) for (_, ids, _), new in zip(batch, responses)]
     columns["id"] += [f"{r.id}#{s}" for r, _, s in batch]
     columns["category"] += [r.category for r, _, _ in batch]
     columns["input_ids"] += [np.asarray(seq, dtype=np.int32) for seq in seqs]
     columns["prompt_len"] += [len(ids) for _, ids, _ in batch]
     if cfg.teacher_cache:
-        prompt_lens, k = [len(ids) for _, ids, _ in batch], cfg.teacher_cache_top_k
-        logprobs, ids, aux = _teacher_topk(teacher, seqs, prompt_lens, k, aux_layers)
+        starts = [1 if prompt_topk else len(ids) for _, ids, _ in batch]  # the token each row's first top-k predicts
+        logprobs, ids, aux = _teacher_topk(teacher, seqs, starts, cfg.teacher_cache_top_k, aux_layers)
         columns["topk_logprobs"] += logprobs
         columns["topk_ids"] += ids
+        if prompt_topk:
+            columns[TOPK_START] += starts
         if aux_layers:
             columns[AUX_HIDDEN] += aux
 
 
 SCORE_ROWS = 8
 """Rows per scoring forward of the top-k cache: the forward holds (rows, T, V) fp32 logits, their log-softmax and,
-for EAGLE-3 candidates, every layer's hidden states; 32 rows of ~450 tokens of SmolLM2 peaked at ~11 GiB."""
+for EAGLE-3 candidates, every layer's hidden states; 32 rows of ~450 tokens of SmolLM2 peaked at ~11 GiB. Keeping
+the prompt rows' top-k too (distill.loss_on_prompt) adds only K values per position to what is kept."""
 
 
 def _teacher_topk(
-    teacher, seqs: list[list[int]], prompt_lens: list[int], k: int, aux_layers: list[int] | None = None
+    teacher, seqs: list[list[int]], starts: list[int], k: int, aux_layers: list[int] | None = None
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray] | None]:
     """`_score_rows` over `SCORE_ROWS` rows at a time: the same per-row arrays with a bounded peak memory."""
     logprobs, ids, aux = [], [], [] if aux_layers else None
     for i in range(0, len(seqs), SCORE_ROWS):
-        lp, top, hidden = _score_rows(teacher, seqs[i : i + SCORE_ROWS], prompt_lens[i : i + SCORE_ROWS], k, aux_layers)
+        lp, top, hidden = _score_rows(teacher, seqs[i : i + SCORE_ROWS], starts[i : i + SCORE_ROWS], k, aux_layers)
         logprobs += lp
         ids += top
         if aux is not None:
@@ -652,23 +701,24 @@ def _teacher_topk(
 
 
 def _score_rows(
-    teacher, seqs: list[list[int]], prompt_lens: list[int], k: int, aux_layers: list[int] | None = None
+    teacher, seqs: list[list[int]], starts: list[int], k: int, aux_layers: list[int] | None = None
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray] | None]:
     """One teacher forward over prompt + response rows -> per row (R, K) fp16 log-probs and (R, K) int32 ids, and
     with `aux_layers` the (len(seq), n_aux * H) fp16 hidden states of those layers (their inputs) at every position.
 
-    Row j of a sequence's top-k arrays is the distribution that predicted its token prompt_len + j.
+    Row j of a sequence's top-k arrays is the distribution that predicted its token start + j (start: its prompt_len
+    for the response rows, 1 for every predicted token), so R = len(seq) - start.
     """
     T = max(len(s) for s in seqs)
     # Right padding needs no attention mask: under causal attention, pads after a token cannot change its logits.
     x = torch.tensor([s + [0] * (T - len(s)) for s in seqs], device=teacher.device)  # (B, T)
-    first = min(prompt_lens) - 1  # earliest position whose logits predict a response token
+    first = min(starts) - 1  # earliest position whose logits predict a kept token
     with torch.inference_mode():
         out = teacher(input_ids=x, logits_to_keep=T - first, output_hidden_states=bool(aux_layers))
         logprobs, ids = topk_from_logits(out.logits[:, :-1], k)  # (B, T - 1 - first, K) each
         aux = torch.cat([out.hidden_states[i] for i in aux_layers], -1).half().cpu().numpy() if aux_layers else None
     logprobs, ids = logprobs.cpu().numpy(), ids.cpu().numpy()
-    spans = [slice(p - 1 - first, len(s) - 1 - first) for s, p in zip(seqs, prompt_lens)]
+    spans = [slice(p - 1 - first, len(s) - 1 - first) for s, p in zip(seqs, starts)]
     rows = [aux[b, : len(s)] for b, s in enumerate(seqs)] if aux is not None else None
     return [logprobs[b, span] for b, span in enumerate(spans)], [ids[b, span] for b, span in enumerate(spans)], rows
 
@@ -700,7 +750,8 @@ def _merge(
         summary["generator"] = generator
     summary["files"] = _file_digests(root, checksums=False)
     if "topk_ids" in ds.column_names:
-        summary["cache_bytes_per_token"] = _cache_bytes_per_token(ds.data)
+        summary["cache_bytes_per_token"] = _cache_bytes_per_token(ds.data, tokens)
+        summary["cache_covers_prompt"] = TOPK_START in ds.column_names
     if AUX_HIDDEN in ds.column_names:  # fp16 values over every position, per response token like the top-k
         values = pc.list_flatten(pc.list_flatten(ds.data.column(AUX_HIDDEN)))
         summary |= {"aux_layers": aux_layers, "aux_bytes_per_token": len(values) * 2 / max(tokens, 1)}
@@ -709,14 +760,14 @@ def _merge(
     return summary
 
 
-def _cache_bytes_per_token(table) -> float:
-    """Raw payload of the offline teacher cache (both top-k columns) per response token."""
-    tokens = pc.sum(pc.list_value_length(table.column("topk_ids"))).as_py() or 0
+def _cache_bytes_per_token(table, response_tokens: int) -> float:
+    """Raw payload of the offline teacher cache (both top-k columns) per response token: K x 6 bytes for a cache of
+    response rows, more by the ratio of predicted tokens to response tokens for one with prompt rows."""
     payload = 0
     for name in ("topk_ids", "topk_logprobs"):
         values = pc.list_flatten(pc.list_flatten(table.column(name)))
         payload += len(values) * values.type.byte_width
-    return payload / max(tokens, 1)
+    return payload / max(response_tokens, 1)
 
 
 def _summary(summary: dict, root: Path) -> str:
@@ -725,6 +776,7 @@ def _summary(summary: dict, root: Path) -> str:
         f"{summary['prompts']} prompts x {summary['samples']} samples = {summary['rows']} sequences, "
         f"{summary['response_tokens']} response tokens"
         + (f", offline teacher cache {cache:.0f} bytes/token" if cache is not None else "")
+        + (" (prompt positions included)" if summary.get("cache_covers_prompt") else "")
         + (
             f", aux hidden states of layers {summary['aux_layers']} {summary['aux_bytes_per_token']:.0f} bytes/token"
             if "aux_layers" in summary

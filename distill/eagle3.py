@@ -143,9 +143,12 @@ def frozen_embedding(teacher, device) -> Tensor:
 # Batches and teacher targets
 
 
-def collate_eagle3(rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool) -> dict[str, Tensor]:
-    """`distill.batches.collate`, plus the cached aux hidden states (B, T, n_aux * H) fp16 when the rows carry them."""
-    batch = collate(rows, max_seq_len=max_seq_len, pad_id=pad_id, topk=topk)
+def collate_eagle3(
+    rows: list[dict], *, max_seq_len: int, pad_id: int, topk: bool, loss_on_prompt: bool = False
+) -> dict[str, Tensor]:
+    """`distill.batches.collate`, plus the cached aux hidden states (B, T, n_aux * H) fp16 when the rows carry them
+    (stored at every position, so prompt rows need nothing more with `loss_on_prompt`)."""
+    batch = collate(rows, max_seq_len=max_seq_len, pad_id=pad_id, topk=topk, loss_on_prompt=loss_on_prompt)
     if rows and AUX_COLUMN in rows[0]:
         B, T = batch["input_ids"].shape
         width = next(len(r[AUX_COLUMN][0]) for r in rows if len(r[AUX_COLUMN]))

@@ -288,6 +288,9 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
     # EAGLE-3 candidates that train from the offline cache need the teacher's aux hidden states stored in it.
     candidates = [(c.draft, c.distill) for c in trained_configs(cfg).values()]
     aux_layers = cached_aux_layers(candidates, teacher.config.num_hidden_layers)
+    # And those with distill.loss_on_prompt need the top-k of the prompt positions too (a response-only candidate
+    # reads the same cache from its response rows on).
+    prompt_topk = any(d.teacher == "cache" and d.loss_on_prompt for _, d in candidates)
     return generate_teacher_data(
         teacher,
         tokenizer,
@@ -299,6 +302,7 @@ def stage_data(cfg: RootConfig, dist: Dist, target=None):
         world_size=dist.world_size,
         barrier=dist.barrier,
         aux_layers=aux_layers,
+        prompt_topk=prompt_topk,
         backend=cfg.target.backend,
     )
 
@@ -462,9 +466,24 @@ def _data_identity(resolved: dict) -> dict:
     return {**resolved, "data": data}
 
 
+# Training keys added after runs were finished, with the value that trains as before: at that value they are left out
+# of the DONE fingerprint and the resume check, so those runs stay finished and resumable.
+NEW_KEY_DEFAULTS = {("distill", "loss_on_prompt"): False}
+
+
+def _without_new_defaults(resolved: dict) -> dict:
+    """`resolved` without the `NEW_KEY_DEFAULTS` keys that hold their default (a checkpoint written before they
+    existed has no such key)."""
+    out = dict(resolved)
+    for (section, name), default in NEW_KEY_DEFAULTS.items():
+        if isinstance(out.get(section), dict) and out[section].get(name, default) == default:
+            out[section] = {k: v for k, v in out[section].items() if k != name}
+    return out
+
+
 def training_fingerprint(cfg: RootConfig) -> str:
     """Hash of the sections that decide what a candidate trains (not eval, serving, tracking or output_dir)."""
-    data = _data_identity(to_dict(cfg))
+    data = _without_new_defaults(_data_identity(to_dict(cfg)))
     for key in EXECUTION_ONLY:
         section, name = key.split(".")
         data[section].pop(name)
@@ -474,7 +493,7 @@ def training_fingerprint(cfg: RootConfig) -> str:
 
 def config_drift(saved: dict, current: dict) -> list[str]:
     """Dotted keys whose values differ between a checkpoint's config and the current one and forbid a resume."""
-    saved, current = _data_identity(saved), _data_identity(current)
+    saved, current = (_without_new_defaults(_data_identity(c)) for c in (saved, current))
     old = _flatten({k: saved.get(k) for k in TRAINING_SECTIONS})
     new = _flatten({k: current.get(k) for k in TRAINING_SECTIONS})
     return sorted(

@@ -283,9 +283,7 @@ class DistillRecipe:
         # On the CPU torch's default AdamW loops over the tensors (0.09 vs 0.03 s a step for the 4-layer SmolLM2
         # student, docs/benchmarks.md); on CUDA its default (foreach) is already multi-tensor.
         fused = True if all(p.device.type == "cpu" for p in trainable) else None
-        self.optimizer = torch.optim.AdamW(
-            trainable, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, fused=fused
-        )
+        self.optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, fused=fused)
         schedule = functools.partial(
             lr_factor, warmup=train_cfg.warmup_steps, total=self.total, min_ratio=train_cfg.min_lr_ratio
         )

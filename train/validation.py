@@ -79,6 +79,8 @@ def validate(
     # Every process runs the same number of forwards (DDP syncs buffers, FSDP gathers weights in each one), so
     # the short ranks pad with a copy of row 0 that has no response tokens.
     mine += [None] * (math.ceil(len(validation_ds) / world) - len(mine))
+    # Response tokens only, whatever distill.loss_on_prompt: best/ and the reported acceptance then measure what a
+    # draft serves, comparably between runs with and without it.
     to_batch = functools.partial(collate, max_seq_len=train_cfg.max_seq_len, pad_id=pad_id, topk=teacher is None)
     student.eval()
     sums: Tensor | None = None

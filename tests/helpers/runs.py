@@ -32,16 +32,18 @@ train.checkpoint.save_checkpoint = _save_then_wait
 TESTS = Path(__file__).resolve().parent.parent  # tests/
 
 
-def make_split(path: Path, teacher, n: int, *, seed: int, top_k: int | None) -> Path:
+def make_split(path: Path, teacher, n: int, *, seed: int, top_k: int | None, prompt_topk: bool = False) -> Path:
     """A finished teacher dataset in the data contract's format: random prompt/response ids, optional top-k cache
-    from a real teacher forward (so cached and online targets agree)."""
+    from a real teacher forward (so cached and online targets agree), of the response tokens or, with `prompt_topk`,
+    of every predicted token (`topk_start` 1, as distill.loss_on_prompt needs)."""
     import datasets
 
-    from distill.data import COMPLETE, features
+    from distill.data import COMPLETE, TOPK_START, features
 
     g = torch.Generator().manual_seed(seed)
     cols = {"id": [], "category": [], "input_ids": [], "prompt_len": []}
     cols |= {"topk_ids": [], "topk_logprobs": []} if top_k else {}
+    cols |= {TOPK_START: []} if top_k and prompt_topk else {}
     for i in range(n):
         P, R = int(torch.randint(3, 8, (1,), generator=g)), int(torch.randint(2, 10, (1,), generator=g))
         ids = torch.randint(3, teacher.config.vocab_size, (P + R,), generator=g)
@@ -52,19 +54,27 @@ def make_split(path: Path, teacher, n: int, *, seed: int, top_k: int | None) -> 
         if top_k:
             with torch.no_grad():
                 logprobs = torch.log_softmax(teacher(ids[None]).logits[0].float(), dim=-1)  # (T, V)
-            values, indices = logprobs[P - 1 : P + R - 1].topk(top_k, dim=-1)  # position t predicts token t + 1
+            start = 1 if prompt_topk else P  # the token the first row predicts
+            values, indices = logprobs[start - 1 : P + R - 1].topk(top_k, dim=-1)  # position t predicts token t + 1
             cols["topk_ids"].append(indices.tolist())
             cols["topk_logprobs"].append(values.tolist())
-    datasets.Dataset.from_dict(cols, features=features(top_k)).save_to_disk(str(path))
+            if prompt_topk:
+                cols[TOPK_START].append(start)
+    datasets.Dataset.from_dict(cols, features=features(top_k, None, prompt_topk)).save_to_disk(str(path))
     (path / COMPLETE).write_text("")
     return path
 
 
-def make_teacher_data(root: Path, teacher, *, n_train: int = 16, n_eval: int = 5, top_k: int | None = 4):
+def make_teacher_data(
+    root: Path, teacher, *, n_train: int = 16, n_eval: int = 5, top_k: int | None = 4, prompt_topk: bool = False
+):
+    """Training and validation splits (`make_split`); with `prompt_topk` the training split's cache has prompt rows,
+    and its folder another name (the validation split's never has them, as the data stage writes it)."""
     from distill.data import TeacherData
 
+    name = "teacher-prompt-test" if prompt_topk else "teacher-test"
     return TeacherData(
-        train=make_split(root / "teacher-test", teacher, n_train, seed=0, top_k=top_k),
+        train=make_split(root / name, teacher, n_train, seed=0, top_k=top_k, prompt_topk=prompt_topk),
         validation=make_split(root / "teacher-eval-test", teacher, n_eval, seed=1, top_k=top_k),
     )
 
