@@ -28,6 +28,8 @@ Variants are fixed per study (edit `VARIANTS` to add some):
   layers      4-layer truncations keeping evenly spaced layers (the default), the first 3 + the last, the first 4
   objectives  4-layer truncations with forward_kl, reverse_kl, jsd, tv, ce (`--seeds`: several seeds each)
   onpolicy    4-layer truncations: sequence-level KD (ce), forward KL off- and on-policy (lmbda 0.5), TV on-policy
+  prompt-loss the EAGLE-3 head and the config's truncation, each trained on response tokens only and with
+              `distill.loss_on_prompt` (teacher online), at the same steps: then `compare` each pair
 `compare` trains nothing: it measures the trained drafts given with --drafts on the same prompts and pairs each
 against the first, reporting the difference in acceptance_rate with a paired bootstrap interval (the prompts are
 resampled once for both), which is what separates two variants whose own intervals overlap.
@@ -75,6 +77,15 @@ VARIANTS = {
         "fkl": ["distill.objective={forward_kl: 1.0}", "distill.teacher=online"],
         "fkl-onpolicy": ["distill.objective={forward_kl: 1.0}", "distill.teacher=online", "distill.lmbda=0.5"],
         "tv-onpolicy": ["distill.objective={tv: 1.0}", "distill.teacher=online", "distill.lmbda=0.5"],
+    },
+    # Issue 27: the scoring pass has the teacher's distribution at every prompt position (the long-input prompts are
+    # ~370 tokens before a 40-token answer); EAGLE-1 trained on fixed text. Each pair differs by the flag only; the
+    # teacher runs online, so no cache with prompt rows is needed.
+    "prompt-loss": {
+        "eagle3": [*EAGLE3, "distill.teacher=online"],
+        "eagle3-prompt": [*EAGLE3, "distill.teacher=online", "distill.loss_on_prompt=true"],
+        "truncation": ["distill.teacher=online"],
+        "truncation-prompt": ["distill.teacher=online", "distill.loss_on_prompt=true"],
     },
 }
 

@@ -94,3 +94,20 @@ def test_a_study_and_its_compare_run_end_to_end(study, tmp_path, monkeypatch):
     assert b["difference"] == 0 and b["difference_ci"] == [0, 0]
     with pytest.raises(SystemExit, match="distinct names"):
         study.main(["compare", *common, "--drafts", f"a={best}", f"a={best}", "--out", str(tmp_path / "bad")])
+
+
+def test_the_prompt_loss_study_trains_on_prompt_positions(study, tmp_path, monkeypatch):
+    """Issue 27's experiment on the smoke target: each pair differs by `distill.loss_on_prompt` alone, and the
+    variant with it trains (teacher online, no cache with prompt rows needed)."""
+    import json
+
+    pairs = study.VARIANTS["prompt-loss"]
+    for name in ("eagle3", "truncation"):
+        assert pairs[f"{name}-prompt"] == [*pairs[name], "distill.loss_on_prompt=true"]
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "prompt-loss"
+    argv = ["prompt-loss", "--config", "configs/smoke.yaml", "--prompts", "2", "--max-new-tokens", "8", "--gamma", "2",
+            "--steps", "2", "--only", "truncation-prompt", "--out", str(out), f"output_dir={out}"]  # fmt: skip
+    assert study.main(argv) == 0
+    (run,) = json.loads((out / "study.json").read_text())["runs"]
+    assert run["variant"] == "truncation-prompt" and len(run["per_prompt"]) == 2
