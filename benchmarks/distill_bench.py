@@ -34,7 +34,6 @@ import functools
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -58,8 +57,10 @@ LOSS_RTOL = 1e-4  # the two trainers' fp32 losses differ by summation order only
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size so far (VmHWM), in MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak resident set size so far (VmHWM), in MiB. Read from /proc, not `ru_maxrss`: that one
+    keeps the parent's RSS at the fork across exec (a floor of the launcher's size), and clear_refs leaves it."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
 def reset_peak_rss() -> None:

@@ -29,7 +29,9 @@ caller passes `embeds` (B, T, H) = target.get_input_embeddings()(ids).
 
 Files (one format for training checkpoints, best/ and exports): config.json (`draft_config`, a LlamaConfig with
 architectures LlamaForCausalLMEagle3) and model.safetensors with unprefixed names (`weight_shapes`) plus d2t (int64,
-offsets: target id = i + d2t[i]) and t2d (bool, the kept target ids).
+offsets: target id = i + d2t[i]) and t2d (bool, the kept target ids). `Eagle3Draft.from_pretrained` also reads the
+format the speculators package's trainer saves (and vLLM detects), with the variants that trainer turns on by default
+(`from_speculators_config`): a head trained elsewhere is measured and compared as it was trained.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # Keys copied from the target's config into the draft's (besides the shapes set explicitly in `draft_config`).
 COPIED_KEYS = ("hidden_act", "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+# Architecture variants of speculators' EAGLE-3 heads (`from_speculators_config`), off in ours: keys of our config.json
+# that only a head read from speculators' format holds, with the value that means "as ours".
+VARIANTS = {"norm_before_residual": False, "norm_before_fc": False, "norm_output": False, "sliding_window": None}
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -121,6 +126,82 @@ def draft_config(
         **aux_layer_keys(aux),
     }
     return config
+
+
+def is_speculators_config(config: dict) -> bool:
+    """True for the config.json of an EAGLE-3 head in the speculators package's format (what its trainer saves)."""
+    return config.get("speculators_model_type") == "eagle3"
+
+
+def from_speculators_config(config: dict) -> dict:
+    """speculators' `Eagle3SpeculatorConfig` as saved (config.json) -> our config dict: `draft_config`'s keys plus
+    the `VARIANTS` its trainer turns on by default (speculators 0.9.0 `speculators train`: the residual taken after
+    hidden_norm, an RMSNorm over the concatenated aux states before fc, later steps fed the normed output, a sliding
+    window of 2048 on the layer). What our head cannot compute is refused: more than one layer, per-layer fc norms,
+    a Qwen3 layer (q/k norms), other than three aux layers."""
+    from transformers import AutoConfig
+
+    raw = dict(config["transformer_layer_config"])
+    model_type = raw.pop("model_type", "llama")
+    layer = AutoConfig.for_model(model_type, **raw)  # the defaults its diff-dict left out, as speculators reads it
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    unsupported = {
+        f"a {model_type} decoder layer": model_type != "llama",
+        f"{layer.num_hidden_layers} decoder layers": layer.num_hidden_layers != 1,
+        "fc_norm (a norm per aux layer)": bool(config.get("fc_norm")),
+        f"{len(aux or [])} aux layers": aux is not None and len(aux) != 3,
+        "a target hidden size of its own": config.get("target_hidden_size") not in (None, layer.hidden_size),
+    }
+    if refused := [what for what, bad in unsupported.items() if bad]:
+        raise UserError(
+            f"this speculators EAGLE-3 head has {', '.join(refused)}: specdistill's EAGLE-3 runtime computes one Llama "
+            "layer fed with three aux layers (shared/EAGLE3.md); serve it with vLLM instead"
+        )
+    heads = layer.num_attention_heads
+    rope = dict(getattr(layer, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    sliding = "sliding_attention" in (getattr(layer, "layer_types", None) or [])
+    ours = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": layer.hidden_size,
+        "intermediate_size": layer.intermediate_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": layer.num_key_value_heads,
+        "head_dim": getattr(layer, "head_dim", None) or layer.hidden_size // heads,
+        "vocab_size": layer.vocab_size,
+        "draft_vocab_size": config["draft_vocab_size"],
+        "tie_word_embeddings": False,
+        "attention_bias": bool(getattr(layer, "attention_bias", False)),
+        "mlp_bias": bool(getattr(layer, "mlp_bias", False)),
+        **{k: getattr(layer, k) for k in COPIED_KEYS if getattr(layer, k, None) is not None},
+        "rope_parameters": rope,
+        "rope_theta": rope.get("rope_theta", 10000.0),
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+        "torch_dtype": config.get("dtype") or config.get("torch_dtype") or "float32",
+        "norm_before_residual": bool(config.get("norm_before_residual", False)),
+        "norm_before_fc": bool(config.get("norm_before_fc", False)),
+        "norm_output": bool(config.get("norm_output", False)),
+        "sliding_window": getattr(layer, "sliding_window", None) if sliding else None,
+    }
+    return ours | (aux_layer_keys(aux) if aux is not None else {})
+
+
+def from_speculators_weights(state: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
+    """speculators' model.safetensors -> our names: `layers.0.` is our `midlayer.`, its `input_norm` (norm_before_fc)
+    our `fc.norm`; the target's tensors it keeps (embed_tokens; verifier_* are not saved) are dropped, since engines
+    and our runtime use the target's own. A head trained over the full vocabulary has no d2t / t2d: identity maps."""
+    renamed = {}
+    for name, tensor in state.items():
+        if name.startswith(("embed_tokens.", "verifier_")):
+            continue
+        if name == "fc.weight" and config["norm_before_fc"]:
+            name = "fc.proj.weight"
+        renamed[name.replace("layers.0.", "midlayer.").replace("input_norm.", "fc.norm.")] = tensor
+    if "d2t" not in renamed and config["draft_vocab_size"] == config["vocab_size"]:
+        renamed["d2t"] = torch.zeros(config["draft_vocab_size"], dtype=torch.long)
+        renamed["t2d"] = torch.ones(config["vocab_size"], dtype=torch.bool)
+    return renamed
 
 
 def vocab_maps(draft_ids: Tensor, target_vocab: int) -> tuple[Tensor, Tensor]:
@@ -238,19 +319,23 @@ class Eagle3Rotary(LlamaRotaryEmbedding):
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v read the 2H-wide [embeds, hidden] input; o_proj writes H."""
+    """Llama attention whose q/k/v read the 2H-wide [embeds, hidden] input; o_proj writes H. With `sliding_window`
+    (a speculators head's sliding-attention layer) a row sees no key `sliding_window` or more positions back."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, sliding_window: int | None = None):
         super().__init__()
         H, D = config.hidden_size, config.head_dim
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
+        self.sliding_window = sliding_window
         self.q_proj = nn.Linear(2 * H, self.heads * D, bias=False)
         self.k_proj = nn.Linear(2 * H, self.kv_heads * D, bias=False)
         self.v_proj = nn.Linear(2 * H, self.kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.heads * D, H, bias=False)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Eagle3Cache, mask: Tensor | None) -> Tensor:
-        B, T, _ = x.shape  # x: (B, T, 2H)
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Eagle3Cache, mask: Tensor | None, positions: Tensor
+    ) -> Tensor:
+        B, T, _ = x.shape  # x: (B, T, 2H), positions (B, T)
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -258,6 +343,10 @@ class Eagle3Attention(nn.Module):
         k, v = cache.append(k, v)  # (B, KV, S, D)
         if mask is None:
             mask = causal_mask(T, k.shape[2], x.device)
+        if self.sliding_window is not None:
+            # A key's index is its position in every cache the runtime passes (a row's slot is its position).
+            keys = torch.arange(k.shape[2], device=x.device)
+            mask = mask & (positions[:, None, :, None] - keys < self.sliding_window)  # (B, 1, T, S)
         gqa = self.heads != self.kv_heads
         # Training, and every call on CUDA (validation and drafting too: an 8B head's validation at batch 4 x 2048
         # would otherwise hold fp32 (B, Hq, T, S) scores in the math kernel): the form the memory-efficient kernel
@@ -271,34 +360,62 @@ class Eagle3Attention(nn.Module):
 
 class Eagle3Layer(nn.Module):
     """The midlayer: attention over cat([input_layernorm(embeds), hidden_norm(hidden)]), residual = the raw hidden
-    state (norm_before_residual = false), then the Llama MLP block."""
+    state (`norm_before_residual` false, the engines' layout; true: hidden_norm(hidden), speculators' default), then
+    the Llama MLP block."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, *, norm_before_residual: bool = False, sliding_window: int | None = None):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm, self.hidden_norm = LlamaRMSNorm(H, eps), LlamaRMSNorm(H, eps)
         self.post_attention_layernorm = LlamaRMSNorm(H, eps)
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = Eagle3Attention(config, sliding_window)
         self.mlp = LlamaMLP(config)
+        self.norm_before_residual = norm_before_residual
 
-    def forward(self, hidden: Tensor, embeds: Tensor, rope, cache: Eagle3Cache, mask: Tensor | None) -> Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
-        h = hidden + self.self_attn(x, rope, cache, mask)
+    def forward(
+        self, hidden: Tensor, embeds: Tensor, rope, cache: Eagle3Cache, mask: Tensor | None, positions: Tensor
+    ) -> Tensor:
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B, T, 2H)
+        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, rope, cache, mask, positions)
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H), pre-norm
 
 
+class NormedFc(nn.Module):
+    """fc after one RMSNorm over the concatenated aux states (a speculators head's `norm_before_fc`). One module, so
+    that whoever projects target features through `draft.fc` (the engine's head cache does) applies the norm too."""
+
+    def __init__(self, H: int, eps: float):
+        super().__init__()
+        self.norm, self.proj = LlamaRMSNorm(3 * H, eps), nn.Linear(3 * H, H, bias=False)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.proj.weight  # what readers of `fc.weight` ask for: its dtype, its size
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.norm(x))
+
+
 class Eagle3Draft(nn.Module):
-    """fc (3H -> H), one `Eagle3Layer`, norm, lm_head (Vd, H), and the d2t / t2d vocabulary maps as buffers."""
+    """fc (3H -> H), one `Eagle3Layer`, norm, lm_head (Vd, H), and the d2t / t2d vocabulary maps as buffers; the
+    `VARIANTS` a speculators head may hold switch on where its config says so."""
 
     def __init__(self, config: dict):
         super().__init__()
         self.export_config = dict(config)
         legacy = ("rope_theta", "rope_scaling", "torch_dtype")  # rope_parameters says it all to transformers 5
-        self.config = llama = LlamaConfig(**{k: v for k, v in config.items() if k not in legacy})
+        skip = (*legacy, *VARIANTS)
+        self.config = llama = LlamaConfig(**{k: v for k, v in config.items() if k not in skip})
+        variant = {k: config.get(k, default) for k, default in VARIANTS.items()}
         H, Vd = llama.hidden_size, config["draft_vocab_size"]
-        self.fc = nn.Linear(3 * H, H, bias=False)
-        self.midlayer = Eagle3Layer(llama)
-        self.norm = LlamaRMSNorm(H, llama.rms_norm_eps)
+        eps = llama.rms_norm_eps
+        self.fc = NormedFc(H, eps) if variant["norm_before_fc"] else nn.Linear(3 * H, H, bias=False)
+        self.midlayer = Eagle3Layer(
+            llama, norm_before_residual=variant["norm_before_residual"], sliding_window=variant["sliding_window"]
+        )
+        self.norm_output = variant["norm_output"]  # later steps read the normed output (speculators, Eagle 3.1)
+        self.norm = LlamaRMSNorm(H, eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(llama.vocab_size, dtype=torch.bool))
@@ -332,13 +449,18 @@ class Eagle3Draft(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """hidden (B, T, 3H) target aux states or (B, T, H) own pre-norm outputs, embeds (B, T, H) of the next
         tokens, position_ids (B, T), attention_mask (B, 1, T, S) bool over cache + rows (None = causal)
-        -> (draft logits (B, T, Vd), or (B, 1, Vd) of the last row with last_only; pre-norm outputs (B, T, H)).
+        -> (draft logits (B, T, Vd), or (B, 1, Vd) of the last row with last_only; the states later steps read
+        (B, T, H): the layer's pre-norm outputs, or with `norm_output` their normed ones).
 
         `cache` is anything with `append(k, v) -> all keys, values` (`Eagle3Cache`, or the engine's slot cache)."""
         if hidden.shape[-1] != embeds.shape[-1]:
-            hidden = self.fc(hidden)  # the target's 3H features; later steps' pre-norm outputs are H wide already
+            hidden = self.fc(hidden)  # the target's 3H features; later steps' own outputs are H wide already
         rope = self.rotary(embeds, position_ids)  # cos, sin (B, T, D)
-        prenorm = self.midlayer(hidden, embeds, rope, cache if cache is not None else Eagle3Cache(), attention_mask)
+        cache = cache if cache is not None else Eagle3Cache()
+        prenorm = self.midlayer(hidden, embeds, rope, cache, attention_mask, position_ids)
+        if self.norm_output:
+            normed = self.norm(prenorm)
+            return self.lm_head(normed[:, -1:] if last_only else normed), normed
         return self.lm_head(self.norm(prenorm[:, -1:] if last_only else prenorm)), prenorm
 
     # ------------------------------------------------------------------------------------------------------------
@@ -356,9 +478,15 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_pretrained(cls, folder: Path | str, *, device: str | torch.device = "cpu", dtype=None) -> Eagle3Draft:
+        """A head folder in our layout or in speculators' (`from_speculators_config`), in the dtype of its weights
+        unless `dtype` is given."""
         folder = Path(folder)
-        model = cls(json.loads((folder / CONFIG_FILE).read_text()))
+        config = json.loads((folder / CONFIG_FILE).read_text())
         state = load_file(folder / WEIGHTS_FILE)
+        if is_speculators_config(config):
+            config = from_speculators_config(config)
+            state = from_speculators_weights(state, config)
+        model = cls(config)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise UserError(
@@ -366,7 +494,8 @@ class Eagle3Draft(nn.Module):
                 "pass a head exported by specdistill or by speculators"
             )
         model = model.to(device=device)
-        return (model.to(dtype) if dtype is not None else model.to(state["fc.weight"].dtype)).eval()
+        saved = state["fc.weight" if "fc.weight" in state else "fc.proj.weight"].dtype  # the file's dtype
+        return model.to(dtype if dtype is not None else saved).eval()
 
     @classmethod
     def from_target(
@@ -405,7 +534,7 @@ def _positions(input_ids: Tensor) -> Tensor:
 
 
 def is_eagle3_folder(folder: Path | str) -> bool:
-    """True when `folder/config.json` names the EAGLE-3 architecture."""
+    """True when `folder/config.json` names the EAGLE-3 architecture, or is a speculators EAGLE-3 config."""
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         return False
@@ -413,7 +542,9 @@ def is_eagle3_folder(folder: Path | str) -> bool:
         config = json.loads(path.read_text(encoding="utf-8"))
     except ValueError:  # truncated or not JSON: unidentifiable here; the loaders name the file (check_model_files)
         return False
-    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
+    if not isinstance(config, dict):
+        return False
+    return ARCHITECTURE in (config.get("architectures") or []) or is_speculators_config(config)
 
 
 def weight_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:

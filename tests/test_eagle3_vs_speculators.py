@@ -1,0 +1,280 @@
+"""EAGLE-3 heads trained by the speculators package (issue 27): our loader reads the format its trainer saves, with
+the variants that trainer turns on by default, and computes what speculators' own model computes; and
+benchmarks/eagle3_vs_speculators.py, which trains a head with each trainer and compares them, runs end to end on
+random:tiny-llama (`--smoke`).
+
+What is compared: speculators' `Eagle3DraftModel` and our `Eagle3Draft.from_pretrained` on the same folder, fp32,
+fed the same target aux states and tokens: the training-time-test logits of every step (the benchmark's
+`loader_check`) and, through our runtime's cache, the rows of a prompt and a greedy chain
+(`test_speculators_conformance.assert_conforms`). A head read with one variant flag wrong fails both.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from helpers.runs import load_benchmark, require_speculators
+
+from specdec_runtime.eagle3 import Eagle3Draft, is_eagle3_folder, vocab_maps
+from specdec_runtime.errors import UserError
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:.*torch.jit.script_method:DeprecationWarning"),
+]
+AUX = [1, 3, 5]
+DRAFT_IDS = torch.arange(0, 240, 10)  # 24 ids of the 259-token byte vocabulary
+# speculators' trainer defaults for eagle3 (`speculators train`), and the engines' layout (what we train)
+TRAINER_DEFAULTS = dict(norm_before_residual=True, norm_before_fc=True, norm_output=True, sliding_window=2048)
+ENGINE_LAYOUT = dict(norm_before_residual=False, norm_before_fc=False, norm_output=False, sliding_window=None)
+
+
+@pytest.fixture(scope="module")
+def speculators():
+    try:
+        with warnings.catch_warnings():  # its import torch.compiles a module, which wakes torch's own deprecations
+            warnings.filterwarnings("ignore", message=".*torch.jit.script_method", category=DeprecationWarning)
+            from speculators.config import SpeculatorsConfig, VerifierConfig
+            from speculators.models.eagle3 import Eagle3SpeculatorConfig
+            from speculators.models.eagle3.core import Eagle3DraftModel
+            from speculators.proposals.greedy import GreedyTokenProposalConfig
+            from test_speculators_conformance import assert_conforms
+    except ImportError:
+        require_speculators()
+    return dict(
+        SpeculatorsConfig=SpeculatorsConfig,
+        VerifierConfig=VerifierConfig,
+        Eagle3SpeculatorConfig=Eagle3SpeculatorConfig,
+        Eagle3DraftModel=Eagle3DraftModel,
+        GreedyTokenProposalConfig=GreedyTokenProposalConfig,
+        assert_conforms=assert_conforms,
+    )
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("eagle3_vs_speculators")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """(an 8-layer tiny Llama with the byte-level tokenizer, its folder): the verifier speculators reads."""
+    from helpers.models import tiny_llama
+
+    from specdec_runtime.tiny import byte_level_tokenizer
+
+    folder = tmp_path_factory.mktemp("target")
+    tokenizer = byte_level_tokenizer()
+    model = tiny_llama(seed=3, vocab_size=len(tokenizer), layers=8)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model.eval(), folder
+
+
+def speculators_head(sp, target_folder, out, *, sliding_window, seed: int = 0, **flags):
+    """A speculators EAGLE-3 head for the tiny target, as its trainer builds one (`from_training_args`: the layer
+    config from the target's, the vocabulary maps, the target's embeddings and head rows), every weight moved off
+    its initial value so each one shows in the logits, saved with its own save_pretrained."""
+    from transformers import AutoConfig, LlamaConfig
+
+    t = AutoConfig.from_pretrained(target_folder)
+    layer = LlamaConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+        max_position_embeddings=t.max_position_embeddings, rms_norm_eps=t.rms_norm_eps, head_dim=t.head_dim,
+        tie_word_embeddings=False, sliding_window=sliding_window or 4096,
+        layer_types=["sliding_attention" if sliding_window else "full_attention"],
+    )  # fmt: skip
+    layer._attn_implementation = "sdpa"
+    config = sp["Eagle3SpeculatorConfig"](
+        transformer_layer_config=layer,
+        draft_vocab_size=len(DRAFT_IDS),
+        eagle_aux_hidden_state_layer_ids=AUX,
+        speculators_config=sp["SpeculatorsConfig"](
+            algorithm="eagle3",
+            proposal_methods=[sp["GreedyTokenProposalConfig"](speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=sp["VerifierConfig"](name_or_path=str(target_folder), architectures=["LlamaForCausalLM"]),
+        ),
+        **flags,
+    )
+    model = sp["Eagle3DraftModel"](config)
+    d2t, t2d = vocab_maps(DRAFT_IDS, t.vocab_size)
+    model.load_vocab_mappings(t2d, d2t)
+    model.load_verifier_weights()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith(("embed_tokens", "verifier_")):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return model.eval()
+
+
+@pytest.mark.parametrize("flags", [TRAINER_DEFAULTS, ENGINE_LAYOUT], ids=["trainer-defaults", "engine-layout"])
+def test_our_loader_computes_what_speculators_computes(speculators, bench, target, tmp_path, flags):
+    model, folder = target
+    flags = dict(flags)
+    window = flags.pop("sliding_window")
+    theirs = speculators_head(speculators, folder, tmp_path / "head", sliding_window=window, **flags)
+    assert is_eagle3_folder(tmp_path / "head")
+    ours = Eagle3Draft.from_pretrained(tmp_path / "head", dtype=torch.float32)
+    assert ours.export_config["norm_output"] is flags["norm_output"]
+    assert ours.aux_layers(8) == AUX and torch.equal(ours.d2t, theirs.d2t)
+    check = bench.loader_check(tmp_path / "head", model, [5, 17, 3, 40, 22, 9, 101, 7, 60, 2, 33, 250])
+    assert check["passed"], check
+    speculators["assert_conforms"](ours, theirs, model)  # our runtime's cached chain against its own forward
+
+
+def test_a_head_read_with_a_wrong_variant_fails_both_checks(speculators, bench, target, tmp_path):
+    """The checks can fail: the same weights read with norm_output off (later steps fed pre-norm states) or with
+    the residual taken before hidden_norm differ from speculators' own forward."""
+    model, folder = target
+    flags = {k: v for k, v in TRAINER_DEFAULTS.items() if k != "sliding_window"}
+    theirs = speculators_head(speculators, folder, tmp_path / "head", sliding_window=None, **flags)
+    for flag in ("norm_output", "norm_before_residual"):
+        wrong = tmp_path / f"wrong-{flag}"
+        shutil.copytree(tmp_path / "head", wrong)
+        config = json.loads((wrong / "config.json").read_text())
+        config[flag] = False
+        (wrong / "config.json").write_text(json.dumps(config))
+        misread = Eagle3Draft.from_pretrained(wrong, dtype=torch.float32)
+        check = bench.loader_check(tmp_path / "head", model, [5, 17, 3, 40, 22, 9, 101, 7], ours=misread)
+        assert not check["passed"] and check["max_abs_diff"] > 1e-2, (flag, check)
+        with pytest.raises(AssertionError):
+            speculators["assert_conforms"](misread, theirs, model)
+
+
+def test_a_sliding_window_hides_keys_that_far_back(speculators, target, tmp_path):
+    """speculators' default layer attends within a sliding window: with a window of 3 the first rows of a prompt
+    (where both conventions agree: a row at position t sees positions t - 2 .. t) match, and differ from the same
+    weights read with full attention."""
+    from test_speculators_conformance import our_chain, their_chain
+
+    model, folder = target
+    theirs = speculators_head(speculators, folder, tmp_path / "head", sliding_window=3)
+    ours = Eagle3Draft.from_pretrained(tmp_path / "head", dtype=torch.float32)
+    assert ours.midlayer.self_attn.sliding_window == 3
+    ids = torch.tensor([[5, 17, 3, 40, 22, 9, 101, 7, 60]])
+    rows, steps = our_chain(ours, model, ids)
+    their_rows, _, _ = their_chain(theirs, model, ids, [int(s.argmax()) for s in steps])
+    torch.testing.assert_close(their_rows, rows, rtol=1e-5, atol=1e-5)
+    ours.midlayer.self_attn.sliding_window = None
+    full_rows, _ = our_chain(ours, model, ids)
+    kept = torch.isfinite(rows[0])  # the draft vocabulary's columns (-inf elsewhere on both)
+    assert (full_rows[3:, kept] - rows[3:, kept]).abs().max() > 1e-3  # rows 3.. lost keys to the window
+    torch.testing.assert_close(full_rows[:3], rows[:3])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"fc_norm": True, "norm_before_fc": False}, "fc_norm"),
+        ({"transformer_layer_config": {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2}}, "2 decoder"),
+        ({"transformer_layer_config": {"model_type": "qwen3"}}, "qwen3 decoder layer"),
+    ],
+)
+def test_a_head_our_runtime_cannot_compute_is_refused_by_name(speculators, target, tmp_path, change, message):
+    _, folder = target
+    speculators_head(speculators, folder, tmp_path / "head", sliding_window=None)
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    for key, value in change.items():
+        config[key] = config[key] | value if isinstance(value, dict) else value
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=message):
+        Eagle3Draft.from_pretrained(tmp_path / "head")
+
+
+# ------------------------------------------------------------------------------------------------ the benchmark
+
+
+def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tmp_path):
+    """`same`: speculators' own CLI resolves the flags to our candidate's recipe (AdamW without weight decay, cosine
+    after our warm-up, our step loss decay, the engines' head layout) and ours ends its cosine at 0 as speculators'
+    does; `recommended`: speculators' defaults (Muon, linear schedule, undecayed steps, its head variants) and our
+    candidate as it is. Both pairs share the data, vocabulary, aux layers, depth, learning rate and steps."""
+    from speculators.train.config import TrainConfig
+
+    from specdistill.config import load_config
+
+    cand = load_config(bench.SMOKE_CONFIG, bench.SMOKE_OVERRIDES).candidate_configs["eagle3"]
+    files = {k: str(tmp_path / k) for k in ("path", "hidden_states", "d2t", "t2d")}
+    data = {**files, "train_rows": 6, "validation_rows": 2, "draft_vocab_size": 64, "aux_layers": [1, 2, 3]}
+
+    def resolve(pair):
+        flags = bench.their_flags(cand, pair, data, str(tmp_path / "target"), tmp_path / "save", 3)
+        return TrainConfig.resolve([*flags, "--total-seq-len", "100", "--epochs", "1"])
+
+    same, default = resolve("same"), resolve("recommended")
+    for cfg in (same, default):
+        assert (cfg.draft.target_layer_ids, cfg.draft.draft_vocab_size, cfg.draft.d2t_path) == (
+            [1, 2, 3],
+            64,
+            files["d2t"],
+        )
+        assert (cfg.loss.ttt_steps, cfg.optimizer.lr, cfg.trainer.max_steps) == (2, cand.train.lr, 3)
+        assert cfg.data.hidden_states_dtype == "float32" and cfg.loss.loss_implementation == "eager"
+    assert (same.optimizer.optimizer, same.optimizer.weight_decay, same.scheduler.scheduler_type) == (
+        "adamw",
+        0,
+        "cosine",
+    )
+    assert same.scheduler.scheduler_warmup_steps == cand.train.warmup_steps
+    assert same.loss.ttt_step_loss_decay == cand.draft.ttt_decay and same.draft.full_attention_indices == [0]
+    assert not (same.draft.norm_before_residual or same.draft.norm_before_fc or same.draft.norm_output)
+    assert (default.optimizer.optimizer, default.scheduler.scheduler_type, default.loss.ttt_step_loss_decay) == (
+        "muon", "linear", 1.0)  # fmt: skip
+    assert default.draft.norm_before_residual and default.draft.norm_before_fc and default.draft.norm_output
+    ours = {pair: bench.our_recipe(cand, pair, tmp_path, 3) for pair in ("same", "recommended")}
+    assert ours["same"].train.min_lr_ratio == 0 and ours["same"].train.weight_decay == 0
+    assert ours["recommended"].train.min_lr_ratio == cand.train.min_lr_ratio
+    assert all(o.train.max_steps == 3 and o.train.eval_every == 3 and o.draft == cand.draft for o in ours.values())
+
+
+@pytest.mark.slow  # ~70 s on 2 cores: four processes import torch, two of them speculators
+def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
+    """`--smoke` end to end: both trainers on one dataset, both heads measured by our eval against target-only and
+    against each other at T = 0 and 1, the speculators head read from the folder its trainer saved and checked
+    against its own model there."""
+    out = tmp_path / "run"
+    # One pair: its speculators head has that trainer's variants on (the other pair's flags are checked above).
+    assert bench.main(["--smoke", "--pairs", "recommended", "--out", str(out), "--json", str(out / "result.json")]) == 0
+    report = json.loads((out / "result.json").read_text())
+    assert report["settings"]["smoke"] and report["data"]["train_rows"] > 0 and report["data"]["validation_rows"] > 0
+    assert set(report["pairs"]) == {"recommended"}
+    for pair, r in report["pairs"].items():
+        for who in ("ours", "speculators"):
+            train = r["training"][who]
+            assert train["steps"] == report["settings"]["steps"], (pair, who, train)
+            assert train["tokens_per_s"] > 0 and train["peak_rss_mb"] > 0
+            assert train["process_peak_rss_mb"] >= train["peak_rss_mb"]
+        assert r["training"]["tokens_per_s_ratio"] > 0 and r["training"]["peak_rss_ratio"] > 0
+        # the same tokens per step on average: speculators' packing is sized from our batches
+        ours, theirs = r["training"]["ours"]["mean_step_tokens"], r["training"]["speculators"]["mean_step_tokens"]
+        assert theirs >= ours and r["training"]["speculators"]["total_seq_len"] > 0
+        assert set(r["eval"]) == {"T=0", "T=1"}
+        for e in r["eval"].values():
+            for who in ("ours", "speculators"):
+                m = e[who]
+                assert 0 <= m["acceptance_rate"] <= 1 and m["mean_accepted_length"] >= 1 and m["speedup"] > 0
+                for key in ("acceptance_rate", "mean_accepted_length", "speedup"):
+                    lo, hi = m[f"{key}_ci"]
+                    assert lo <= hi
+            d = e["difference"]
+            assert d["acceptance_rate_ci"][0] <= d["acceptance_rate"] <= d["acceptance_rate_ci"][1]
+            assert d["speed_ratio"] > 0 and len(d["speed_ratio_ci"]) == 2
+        assert r["loader_check"]["passed"], r["loader_check"]
+        assert r["same_draft_vocab"]
+        assert set(r["goals"]) == {
+            "acceptance_at_least_theirs",
+            "tokens_per_s_at_least_1.5x",
+            "peak_memory_at_most_theirs",
+        }
+    # The recommended pair's speculators head has its trainer's variants on: our loader read them from its folder.
+    head = report["pairs"]["recommended"]["training"]["speculators"]["head"]
+    config = Eagle3Draft.from_pretrained(head).export_config
+    assert config["norm_before_fc"] and config["norm_output"] and config["norm_before_residual"]
