@@ -10,8 +10,9 @@ Terms (names as in `distill.config.OBJECTIVES`), with p the teacher and q the st
     ce          -log q(label)                      sequence-level KD (Kim & Rush 2016): NLL of teacher-written tokens
 
 `distill_loss` is the one entry point: a weighted mix of terms, fp32 log-softmax, an explicit (B, T) bool mask,
-sums normalised by a caller-given global token count, chunked over positions with activation checkpointing so the
-fp32 (B, T, V) probabilities exist one chunk at a time, in the forward pass and in the backward pass.
+sums normalised by a caller-given global token count, chunked over positions so the fp32 (B, T, V) probabilities
+exist one chunk at a time: with the student's logits, activation checkpointing (rebuilt in backward); with its
+hidden states and head (the training path), each chunk's gradient computed in the forward (`_FusedHeadSums`).
 """
 
 from __future__ import annotations
@@ -289,10 +290,12 @@ def distill_loss(
         num_items: the count to normalise sums by; under gradient accumulation and multi-process training pass the
             global count of valid tokens of the optimizer step. Default: mask.sum(). Clamped to >= 1, so an empty
             mask gives a zero loss with a (zero) gradient path instead of NaN.
-        chunk_size: positions (rows of the flattened B*T) per chunk. Each chunk is checkpointed when gradients are
-            on, so its fp32 (chunk_size, V) tensors are rebuilt in backward instead of kept for every chunk.
+        chunk_size: positions (rows of the flattened B*T) per chunk. With student logits each chunk is checkpointed
+            when gradients are on, so its fp32 (chunk_size, V) tensors are rebuilt in backward instead of kept for
+            every chunk.
         student_hidden, lm_head_weight: (B, T, D) final hidden states and (V, D) head weight (no bias); the logits
-            are then computed chunk by chunk and the full (B, T, V) student logits never exist.
+            are then computed chunk by chunk over the valid rows only and the full (B, T, V) student logits never
+            exist; with gradients on, each chunk's gradient is computed in the forward (`_FusedHeadSums`).
 
     Returns:
         (loss, metrics): the weighted scalar loss and {term name: its detached normalised value}.
