@@ -55,7 +55,7 @@ from eval.engines import (
 from eval.export import check_export_dir, check_writable, export_draft, head_aux, not_an_export
 from eval.recommend import gate, max_concurrency
 from specdec_runtime import atomic
-from specdec_runtime.eagle3 import CONFIG_FILE, is_eagle3_folder
+from specdec_runtime.eagle3 import CONFIG_FILE, is_eagle3_folder, is_speculators_config
 from specdec_runtime.errors import UserError
 from specdec_runtime.lookup import is_lookup_spec, lookup_draft
 
@@ -440,6 +440,11 @@ def check_draft(rec: dict, target: TargetView) -> None:
 
     folder = Path(rec["draft"])
     config = json.loads((folder / CONFIG_FILE).read_text()) if (folder / CONFIG_FILE).is_file() else {}
+    if is_speculators_config(config):  # eval reads it (specdec_runtime.eagle3); the export would rewrite its config
+        raise UserError(
+            f"{folder} is an EAGLE-3 head saved by the speculators package: eval measures it, but promotion does not "
+            "export that format yet; serve it with vLLM from its own folder (docs/eval-and-serving.md)"
+        )
     if is_eagle3_folder(folder):
         want = (target.config.vocab_size, target.config.hidden_size)
         if (config.get("vocab_size"), config.get("hidden_size")) != want:

@@ -606,3 +606,17 @@ def test_a_serving_path_that_is_a_folder_or_read_only_is_one_line_before_the_exp
         rc, _, stderr = cli_promote(report, "--serving", ro / "serving.yaml", "--export-dir", export)
         assert rc == 2 and f"{ro} is on a read-only filesystem" in stderr and stderr.count("\n") == 1, stderr
     assert not export.exists()  # refused before the export was written
+
+
+def test_a_head_saved_by_speculators_is_refused_by_name(tmp_path):
+    """A speculators-format head (eval reads it) is refused with the reason, not as a head of another target."""
+    from types import SimpleNamespace
+
+    from eval.promote import TargetView, check_draft
+
+    folder = tmp_path / "spec"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "draft_vocab_size": 8}))
+    target = TargetView(SimpleNamespace(vocab_size=259, hidden_size=64), None)
+    with pytest.raises(UserError, match="saved by the speculators package.*serve it with vLLM"):
+        check_draft({"draft": str(folder)}, target)
