@@ -349,3 +349,20 @@ def test_no_grad_and_bf16_inputs_match_fp32():
     low = _loss(student.bfloat16(), TeacherTargets(logits=teacher.bfloat16()), labels, mask, objective)
     assert low.dtype == torch.float32  # fp32 softmax whatever the logits' dtype
     torch.testing.assert_close(low, ref.detach(), rtol=5e-2, atol=5e-2)
+
+
+def test_hidden_states_path_under_bf16_autocast_keeps_fp32_gradients():
+    """Under autocast (the CUDA training path; here the CPU's) the head GEMMs run in bf16 and the gradients still
+    come back in the parameters' fp32, close to plain autograd through the same autocast logits."""
+    hidden, weight = _hidden_case(D=16)
+    _, teacher, labels, mask = _batch()
+    targets = TeacherTargets(logits=teacher)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _loss(hidden @ weight.T, targets, labels, mask, "jsd")
+        loss, _ = distill_loss(None, targets, labels, mask, "jsd", student_hidden=hidden, lm_head_weight=weight,
+                               chunk_size=4)  # fmt: skip
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32]
+    torch.testing.assert_close(loss, ref)
+    for grad, expected in zip(grads, torch.autograd.grad(ref, (hidden, weight))):
+        torch.testing.assert_close(grad, expected, rtol=2e-2, atol=2e-3)
