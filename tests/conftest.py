@@ -1,4 +1,5 @@
-"""Fixtures (an isolated model cache, one intra-op thread), quiet libraries, and the skip hook of the markers.
+"""Fixtures (an isolated model cache, one intra-op thread, the speculators package), quiet libraries, and the skip
+hook of the markers.
 
 Builders shared by the test modules live in tests/helpers/; nothing imports this file as a module.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -53,3 +56,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def speculators():
+    """The speculators package for the tests that check our EAGLE-3 heads against its own model (installed by `make
+    install` with --no-deps, its CLI's imports beside it); CI sets SPECDISTILL_REQUIRE_SPECULATORS=1, so there a
+    missing package fails instead of skipping."""
+    try:
+        with warnings.catch_warnings():  # its import torch.compiles a module, which wakes torch's own deprecations
+            warnings.filterwarnings("ignore", message=".*torch.jit.script_method", category=DeprecationWarning)
+            import typer
+            from speculators.cli import app
+            from speculators.config import SpeculatorsConfig, VerifierConfig
+            from speculators.models.eagle3 import Eagle3SpeculatorConfig
+            from speculators.models.eagle3.core import Eagle3DraftModel
+            from speculators.proposals.greedy import GreedyTokenProposalConfig
+    except ImportError:
+        from helpers.runs import require_speculators
+
+        require_speculators()
+    return SimpleNamespace(
+        typer=typer, app=app, SpeculatorsConfig=SpeculatorsConfig, VerifierConfig=VerifierConfig,
+        Eagle3SpeculatorConfig=Eagle3SpeculatorConfig, Eagle3DraftModel=Eagle3DraftModel,
+        GreedyTokenProposalConfig=GreedyTokenProposalConfig,
+    )  # fmt: skip

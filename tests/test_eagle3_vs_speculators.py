@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 
 import pytest
 import torch
-from helpers.runs import load_benchmark, require_speculators
+from helpers.runs import load_benchmark
+from test_speculators_conformance import assert_conforms
 
 from specdec_runtime.eagle3 import Eagle3Draft, is_eagle3_folder, vocab_maps
 from specdec_runtime.errors import UserError
@@ -31,28 +31,6 @@ DRAFT_IDS = torch.arange(0, 240, 10)  # 24 ids of the 259-token byte vocabulary
 # speculators' trainer defaults for eagle3 (`speculators train`), and the engines' layout (what we train)
 TRAINER_DEFAULTS = dict(norm_before_residual=True, norm_before_fc=True, norm_output=True, sliding_window=2048)
 ENGINE_LAYOUT = dict(norm_before_residual=False, norm_before_fc=False, norm_output=False, sliding_window=None)
-
-
-@pytest.fixture(scope="module")
-def speculators():
-    try:
-        with warnings.catch_warnings():  # its import torch.compiles a module, which wakes torch's own deprecations
-            warnings.filterwarnings("ignore", message=".*torch.jit.script_method", category=DeprecationWarning)
-            from speculators.config import SpeculatorsConfig, VerifierConfig
-            from speculators.models.eagle3 import Eagle3SpeculatorConfig
-            from speculators.models.eagle3.core import Eagle3DraftModel
-            from speculators.proposals.greedy import GreedyTokenProposalConfig
-            from test_speculators_conformance import assert_conforms
-    except ImportError:
-        require_speculators()
-    return dict(
-        SpeculatorsConfig=SpeculatorsConfig,
-        VerifierConfig=VerifierConfig,
-        Eagle3SpeculatorConfig=Eagle3SpeculatorConfig,
-        Eagle3DraftModel=Eagle3DraftModel,
-        GreedyTokenProposalConfig=GreedyTokenProposalConfig,
-        assert_conforms=assert_conforms,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +68,19 @@ def speculators_head(sp, target_folder, out, *, sliding_window, seed: int = 0, *
         layer_types=["sliding_attention" if sliding_window else "full_attention"],
     )  # fmt: skip
     layer._attn_implementation = "sdpa"
-    config = sp["Eagle3SpeculatorConfig"](
+    config = sp.Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
         draft_vocab_size=len(DRAFT_IDS),
         eagle_aux_hidden_state_layer_ids=AUX,
-        speculators_config=sp["SpeculatorsConfig"](
+        speculators_config=sp.SpeculatorsConfig(
             algorithm="eagle3",
-            proposal_methods=[sp["GreedyTokenProposalConfig"](speculative_tokens=3)],
+            proposal_methods=[sp.GreedyTokenProposalConfig(speculative_tokens=3)],
             default_proposal_method="greedy",
-            verifier=sp["VerifierConfig"](name_or_path=str(target_folder), architectures=["LlamaForCausalLM"]),
+            verifier=sp.VerifierConfig(name_or_path=str(target_folder), architectures=["LlamaForCausalLM"]),
         ),
         **flags,
     )
-    model = sp["Eagle3DraftModel"](config)
+    model = sp.Eagle3DraftModel(config)
     d2t, t2d = vocab_maps(DRAFT_IDS, t.vocab_size)
     model.load_vocab_mappings(t2d, d2t)
     model.load_verifier_weights()
@@ -127,7 +105,7 @@ def test_our_loader_computes_what_speculators_computes(speculators, bench, targe
     assert ours.aux_layers(8) == AUX and torch.equal(ours.d2t, theirs.d2t)
     check = bench.loader_check(tmp_path / "head", model, [5, 17, 3, 40, 22, 9, 101, 7, 60, 2, 33, 250])
     assert check["passed"], check
-    speculators["assert_conforms"](ours, theirs, model)  # our runtime's cached chain against its own forward
+    assert_conforms(ours, theirs, model)  # our runtime's cached chain against its own forward
 
 
 def test_a_head_read_with_a_wrong_variant_fails_both_checks(speculators, bench, target, tmp_path):
@@ -146,7 +124,7 @@ def test_a_head_read_with_a_wrong_variant_fails_both_checks(speculators, bench, 
         check = bench.loader_check(tmp_path / "head", model, [5, 17, 3, 40, 22, 9, 101, 7], ours=misread)
         assert not check["passed"] and check["max_abs_diff"] > 1e-2, (flag, check)
         with pytest.raises(AssertionError):
-            speculators["assert_conforms"](misread, theirs, model)
+            assert_conforms(misread, theirs, model)
 
 
 def test_a_sliding_window_hides_keys_that_far_back(speculators, target, tmp_path):

@@ -21,13 +21,10 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers.reports import eagle3_run
-from helpers.runs import require_speculators
 from safetensors.torch import load_file, save_file
 
 from eval.promote import promote
@@ -41,28 +38,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
     pytest.mark.filterwarnings("ignore:.*torch.jit.script_method:DeprecationWarning"),
 ]
-
-
-@pytest.fixture(scope="module")
-def speculators():
-    """The speculators package (installed by `make install` with --no-deps, its CLI's imports beside it); CI sets
-    SPECDISTILL_REQUIRE_SPECULATORS=1, so there a missing package fails instead of skipping."""
-    try:
-        with warnings.catch_warnings():  # its import torch.compiles a module, which wakes torch's own deprecations
-            warnings.filterwarnings("ignore", message=".*torch.jit.script_method", category=DeprecationWarning)
-            import typer
-            from speculators.cli import app
-            from speculators.config import SpeculatorsConfig, VerifierConfig
-            from speculators.models.eagle3 import Eagle3SpeculatorConfig
-            from speculators.models.eagle3.core import Eagle3DraftModel
-            from speculators.proposals.greedy import GreedyTokenProposalConfig
-    except ImportError:
-        require_speculators()
-    return SimpleNamespace(
-        typer=typer, app=app, SpeculatorsConfig=SpeculatorsConfig, VerifierConfig=VerifierConfig,
-        Eagle3SpeculatorConfig=Eagle3SpeculatorConfig, Eagle3DraftModel=Eagle3DraftModel,
-        GreedyTokenProposalConfig=GreedyTokenProposalConfig,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
