@@ -488,6 +488,11 @@ def child(args, name: str, spec: dict) -> dict:
     folder = args.out / "children"
     folder.mkdir(parents=True, exist_ok=True)
     spec_path, result = folder / f"{spec['tag']}.spec.json", folder / f"{spec['tag']}.json"
+    # a training finished with this very spec (an interrupted run, or one re-run with other --pairs) is reused:
+    # trainings take most of the hour, and a result is only written after its last step
+    if result.is_file() and spec_path.is_file() and json.loads(spec_path.read_text()) == json.loads(json.dumps(spec)):
+        print(f"  reusing the finished {spec['tag']} training ({result})", flush=True)
+        return json.loads(result.read_text())
     spec_path.write_text(json.dumps(spec))
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", name, "--spec", str(spec_path), "--result", str(result)]

@@ -29,7 +29,8 @@ Variants are fixed per study (edit `VARIANTS` to add some):
   objectives  4-layer truncations with forward_kl, reverse_kl, jsd, tv, ce (`--seeds`: several seeds each)
   onpolicy    4-layer truncations: sequence-level KD (ce), forward KL off- and on-policy (lmbda 0.5), TV on-policy
   prompt-loss the EAGLE-3 head and the config's truncation, each trained on response tokens only and with
-              `distill.loss_on_prompt` (teacher online), at the same steps: then `compare` each pair
+              `distill.loss_on_prompt` (teacher online), at the same steps; the study reports each pair's paired
+              difference itself (`PAIRED`)
 `compare` trains nothing: it measures the trained drafts given with --drafts on the same prompts and pairs each
 against the first, reporting the difference in acceptance_rate with a paired bootstrap interval (the prompts are
 resampled once for both), which is what separates two variants whose own intervals overlap.
@@ -88,6 +89,10 @@ VARIANTS = {
         "truncation-prompt": ["distill.teacher=online", "distill.loss_on_prompt=true"],
     },
 }
+
+# Variant pairs a study reports the paired difference of (the second minus the first, per seed), as `compare` would
+# but from the study's own measurement of the same prompts.
+PAIRED = {"prompt-loss": [("eagle3", "eagle3-prompt"), ("truncation", "truncation-prompt")]}
 
 
 def rate(num: float, den: float) -> float:
@@ -257,13 +262,30 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             runs.append(row)
 
-    write_study(args, runs, len(prompts))
+    paired = pair_variants(args.study, runs)
+    write_study(args, runs, len(prompts), paired)
     if args.study == "data":
         plot_curve(runs, args.out / "curve.png")
     return 0
 
 
-def write_study(args, runs: list[dict], num_prompts: int) -> None:
+def pair_variants(study: str, runs: list[dict]) -> list[dict]:
+    """The study's paired differences (`PAIRED`), per seed: `other` minus `base` in acceptance_rate on the same
+    prompts, from the runs' own per-prompt counts (no second measurement), printed and returned."""
+    by_key = {(r["variant"], r["seed"]): r for r in runs}
+    out = []
+    for base, other in PAIRED.get(study, []):
+        for seed in sorted({r["seed"] for r in runs}):
+            if (base, seed) not in by_key or (other, seed) not in by_key:
+                continue  # --only left one of the pair out
+            b, o = by_key[base, seed], by_key[other, seed]
+            diff, ci = paired_difference(b["per_prompt"], o["per_prompt"])
+            out.append({"base": base, "other": other, "seed": seed, "acceptance_rate_diff": diff, "ci": ci})
+            print(f"{other} - {base} (seed {seed}): acceptance_rate {diff:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]")
+    return out
+
+
+def write_study(args, runs: list[dict], num_prompts: int, paired: list[dict] | None = None) -> None:
     """<out>/study.json: the runs and the settings they were measured under."""
     settings = {
         "study": args.study,
@@ -278,7 +300,8 @@ def write_study(args, runs: list[dict], num_prompts: int) -> None:
         "threads": torch.get_num_threads(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "study.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
+    study = {"settings": settings, "runs": runs, "paired": paired or []}
+    (args.out / "study.json").write_text(json.dumps(study, indent=2) + "\n")
     print(f"wrote {args.out / 'study.json'}")
 
 

@@ -111,3 +111,22 @@ def test_the_prompt_loss_study_trains_on_prompt_positions(study, tmp_path, monke
     assert study.main(argv) == 0
     (run,) = json.loads((out / "study.json").read_text())["runs"]
     assert run["variant"] == "truncation-prompt" and len(run["per_prompt"]) == 2
+    assert json.loads((out / "study.json").read_text())["paired"] == []  # --only left its pair's base out
+
+
+def test_the_study_pairs_its_variants_on_their_own_per_prompt_counts(study):
+    """A study's PAIRED variants get other - base per seed from the runs' per-prompt counts (no re-measurement);
+    a pair whose base is missing is skipped, and the difference has the sign of the gain."""
+    base, other = drafts(shift=0.03)
+    runs = [
+        {"variant": "truncation", "seed": 0, "per_prompt": base},
+        {"variant": "truncation-prompt", "seed": 0, "per_prompt": other},
+        {"variant": "eagle3-prompt", "seed": 0, "per_prompt": other},  # no eagle3 run: skipped
+    ]
+    (pair,) = study.pair_variants("prompt-loss", runs)
+    assert (pair["base"], pair["other"], pair["seed"]) == ("truncation", "truncation-prompt", 0)
+    assert (pair["acceptance_rate_diff"], pair["ci"]) == study.paired_difference(base, other)
+    assert pair["ci"][0] > 0
+    swapped = study.pair_variants("prompt-loss", [{**r, "per_prompt": p} for r, p in zip(runs[:2], [other, base])])
+    assert swapped[0]["ci"][1] < 0  # the broken order (base and other swapped) must read as a loss
+    assert study.pair_variants("objectives", runs) == []
