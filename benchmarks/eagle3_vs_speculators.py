@@ -2,7 +2,8 @@
 trainer, and acceptance, tau and speedup of each head on the same builtin:test prompts at T = 0 and 1.
 
     make install          # puts speculators 0.9.0 (and hs-connectors, its hidden-states reader) in .venv
-    python benchmarks/eagle3_vs_speculators.py --json runs/eagle3-vs-speculators/result.json    # CPU, ~1 h (estimated)
+    python benchmarks/eagle3_vs_speculators.py --pairs same --json runs/eagle3-vs-speculators/result.json  # CPU, ~50 min
+    python benchmarks/eagle3_vs_speculators.py --json runs/eagle3-vs-speculators/result.json    # both pairs: ~3.5 h
     python benchmarks/eagle3_vs_speculators.py --smoke --out /tmp/e3vs --json /tmp/e3vs/result.json   # ~1.5 min
 
 CPU only by design: speculators' trainer runs here through the adapter below; on a GPU neither trainer needs one,
@@ -46,6 +47,10 @@ schedulers, data loader and loop are its own, run through its own CLI (`speculat
 below), with the options its documentation gives for hardware without its GPU kernels: --draft-attn-impl sdpa (flex
 attention needs compiled kernels), --loss-implementation eager (the fused losses are Triton), and --num-workers 0
 (as ours: no loader processes next to the two cores' training).
+
+On the 2-core CPU (docs/benchmarks.md) the `same` pair trains in ~20 min and measures in ~21; speculators' own
+recipe (`recommended`) ran 27 s a step there, ~2.3 h for 300 steps. A training whose result exists for the very
+same spec under <out>/children is reused (a run stopped after it, or re-run with other --pairs).
 
 Measurement. Each training runs in a process of its own, the trainers alternating from one pair to the next (ours,
 speculators | speculators, ours). tokens/s: the tokens of the sequences each step trains on (prompt and response,
