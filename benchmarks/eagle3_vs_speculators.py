@@ -23,7 +23,9 @@ Recipes, two pairs (--pairs). Shared by both pairs: the data, draft vocabulary, 
 learning rate, optimizer steps (--steps, default the config's), fp32, frozen embeddings, and the batch: our
 train.batch_size sequences; speculators packs sequences up to --total-seq-len tokens per step, set to the smallest
 length (at least the longest sequence) whose batches over the run hold at least our batches' mean tokens: the same
-tokens per step on average (`their_packing`).
+tokens per step on average (`their_packing`). Ours concatenates its batch's sequences into one row
+(`draft.pack_sequences`, the default since this comparison found padding to cost 1.74x the real positions) unless
+the config says otherwise.
   same         our candidate's recipe on both sides: AdamW (no weight decay), warm-up then cosine to 0, step loss
                weights ttt_decay^j, the head as the engines lay it out (residual before hidden_norm, no norm before
                fc, pre-norm outputs fed back, full attention); lm_head frozen and clipping at 1 (fixed in speculators).
@@ -298,7 +300,8 @@ def recipes(cand, total_seq_len: int) -> dict:
         "aux_layers": d.aux_layers,
         "ttt_depth": d.ttt_depth,
         "lr": t.lr,
-        "batch": f"ours {t.batch_size} sequences; speculators up to {total_seq_len} packed tokens",
+        "batch": f"ours {t.batch_size} sequences{' packed in one row' if d.pack_sequences else ', padded'}; "
+        f"speculators up to {total_seq_len} packed tokens",
         "precision": "fp32",
     }
     loss_ours = f"{cand.distill.objective} over the top-{cand.data.teacher_cache_top_k} cache, draft vocabulary"
@@ -714,10 +717,12 @@ def main(argv: list[str] | None = None) -> int:
             if who == "ours":
                 config = args.out / "children" / f"{tag}.yaml"
                 config.parent.mkdir(parents=True, exist_ok=True)
-                config.write_text(dump_yaml(our_recipe(cand, pair, args.out, steps)))
+                recipe = dump_yaml(our_recipe(cand, pair, args.out, steps))
+                config.write_text(recipe)
                 spec = {
                     "tag": tag,
                     "config": str(config),
+                    "recipe": recipe,  # so that a changed recipe (a new default too) is trained again
                     "name": tag,
                     "train": str(data.train),
                     "validation": str(data.validation),

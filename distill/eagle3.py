@@ -229,40 +229,92 @@ class TTTCache:
         return self.cache.append(k, v)
 
 
-def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int):
+def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int, packing: Packing | None = None):
     """Yield (step j, draft logits (B, T, Vd)) of the training-time-test unroll: aux (B, T, 3H) are the teacher's
     states of the batch's tokens, embeds (B, T, H) their embeddings. Row t of step j sits at position t + j, reads
     token t + 1 + j and step j - 1's pre-norm output of row t, and sees the step-0 keys of rows <= t and the keys
-    of steps 1..j of row t: what a chain draft computes at inference for its (j + 1)-th token after token t + 1."""
+    of steps 1..j of row t: what a chain draft computes at inference for its (j + 1)-th token after token t + 1.
+
+    With `packing` the rows hold several sequences: positions count from each sequence's start, and the step-0
+    keys of other sequences are masked. A row whose token t + 1 + j lies in the next sequence computes garbage
+    that no valid row reads (it only sees keys of rows <= t of its own sequence and its own), and its loss is
+    masked (`Packing.same`)."""
     B, T, _ = embeds.shape
-    position = torch.arange(T, device=embeds.device).expand(B, T)
+    position = torch.arange(T, device=embeds.device).expand(B, T) if packing is None else packing.position
+    segments = None if packing is None else packing.segments
     hidden, cache = aux, TTTCache()
     for j in range(depth):
-        logits, hidden = student(hidden, shift(embeds, 1 + j, 0.0), position + j, cache, ttt_mask(T, j, embeds.device))
+        mask = ttt_mask(T, j, embeds.device, segments)
+        logits, hidden = student(hidden, shift(embeds, 1 + j, 0.0), position + j, cache, mask)
         yield j, logits
 
 
+@dataclass
+class Packing:
+    """A padded micro-batch's sequences concatenated into one row (`draft.pack_sequences`, as speculators packs):
+    the unroll then computes on the batch's real tokens only instead of B x its longest."""
+
+    keep: Tensor
+    """(B, T) bool: the padded batch's real positions, taken row after row."""
+    segments: Tensor
+    """(1, N) which sequence (row of the padded batch) each packed position came from."""
+    position: Tensor
+    """(1, N) each packed position's position within its sequence."""
+
+    @classmethod
+    def of(cls, attention_mask: Tensor) -> Packing:
+        keep = attention_mask.bool()
+        B, T = keep.shape
+        rows = torch.arange(B, device=keep.device)[:, None].expand(B, T)
+        return cls(keep, rows[keep][None], (keep.cumsum(1) - 1)[keep][None])
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """(B, T, ...) -> (1, N, ...)."""
+        return x[self.keep][None]
+
+    def same(self, n: int) -> Tensor:
+        """(1, N) bool: position t + n belongs to the same sequence as t."""
+        return shift(self.segments, n, -1) == self.segments
+
+
 def unrolled_steps(
-    student, embed_weight: Tensor, batch: dict[str, Tensor], view, draft_cfg, distill_cfg: DistillConfig, num_items
+    student,
+    embed_weight: Tensor,
+    batch: dict[str, Tensor],
+    view,
+    draft_cfg,
+    distill_cfg: DistillConfig,
+    num_items,
+    *,
+    pack: bool = False,
 ):
     """Yield (step j, draft logits (B, T, Vd), step j's objective summed over its valid rows / num_items, its
     terms) for j < draft.ttt_depth, from `teacher_view`'s output `view`. Step j's rows sit at positions t + j, read
-    the embedding of token t + 1 + j and learn the teacher's distribution at position t + 1 + j."""
+    the embedding of token t + 1 + j and learn the teacher's distribution at position t + 1 + j. With `pack` the
+    batch's sequences are first concatenated into one row (`Packing`), and the logits are (1, N, Vd)."""
     plain = _unwrap(student)
     aux, logits, topk = view
+    labels, input_ids, packing = batch["labels"], batch["input_ids"], None
+    if pack:
+        packing = Packing.of(batch["attention_mask"])
+        aux, labels, input_ids = packing(aux), packing(labels), packing(input_ids)
+        logits = None if logits is None else packing(logits)
+        topk = None if topk is None else tuple(packing(x) for x in topk)
     teacher_d, in_vocab = draft_targets(plain, logits, topk)  # (B, T, Vd), (B, T)
-    labels = batch["labels"]
     valid = labels != IGNORE
     labels_d, label_in = draft_labels(plain, labels) if "ce" in distill_cfg.objective else (labels.clamp(min=0), valid)
     dtype = plain.fc.weight.dtype  # fp32 masters (autocast runs the matmuls in bf16), or DeepSpeed's bf16 copy
-    embeds = nn.functional.embedding(batch["input_ids"], embed_weight).to(dtype)  # (B, T, H), frozen
-    for j, draft_logits in ttt_logits(student, aux.to(dtype), embeds, draft_cfg.ttt_depth):
+    embeds = nn.functional.embedding(input_ids, embed_weight).to(dtype)  # (B, T, H), frozen
+    for j, draft_logits in ttt_logits(student, aux.to(dtype), embeds, draft_cfg.ttt_depth, packing):
         n = 1 + j
+        mask = shift(valid & in_vocab & label_in, n, False)
+        if packing is not None:
+            mask = mask & packing.same(n)  # token t + n of a packed row may be the next sequence's
         loss, terms = distill_loss(
             draft_logits,
             TeacherTargets(logits=shift(teacher_d, n, LOG_ZERO)),
             shift(labels_d, n, 0),
-            shift(valid & in_vocab & label_in, n, False),
+            mask,
             distill_cfg.objective,
             kd_temperature=distill_cfg.kd_temperature,
             beta=distill_cfg.beta,
@@ -288,7 +340,9 @@ def eagle3_loss(
     its valid rows) / `num_items`, the step's global response-token count. `student` may be the prepared (DDP /
     FSDP / DeepSpeed) module: every step goes through its forward."""
     view = teacher_view(teacher, batch, aux_layers, aux_index)
-    steps = unrolled_steps(student, embed_weight, batch, view, draft_cfg, distill_cfg, num_items)
+    steps = unrolled_steps(
+        student, embed_weight, batch, view, draft_cfg, distill_cfg, num_items, pack=draft_cfg.pack_sequences
+    )
     return sum(draft_cfg.ttt_decay**j * loss for j, _, loss, _ in steps)
 
 

@@ -74,6 +74,11 @@ class DraftConfig:
     """eagle3: training-time-test steps unrolled per position (EAGLE and SpecForge use 7, speculators 3)."""
     ttt_decay: float = 0.8
     """eagle3: weight of unrolled step j's loss is ttt_decay ** j (EAGLE-3: 0.8)."""
+    pack_sequences: bool = True
+    """eagle3: train on each micro-batch's sequences concatenated into one row (attention kept within each sequence,
+    positions counted from 0 in each; as speculators trains) instead of each padded to the longest: the step then
+    computes on real tokens only. The attention over the row grows with its length squared, so when every sequence
+    is near train.max_seq_len packing saves nothing and false is cheaper (docs/benchmarks.md)."""
     freeze_lm_head: bool = False
     """eagle3: keep lm_head at the target's rows of the draft vocabulary (as speculators does); false trains it
     (as EAGLE does)."""

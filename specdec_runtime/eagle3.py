@@ -281,11 +281,19 @@ def causal_mask(T: int, S: int, device: torch.device) -> Tensor:
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
 
 
-def ttt_mask(T: int, step: int, device: torch.device) -> Tensor:
+def ttt_mask(T: int, step: int, device: torch.device, segments: Tensor | None = None) -> Tensor:
     """(T, (step + 1) T) bool for training-time-test step `step` over keys [step 0 | step 1 | ... | step `step`]:
-    causal over the step-0 keys, and the same position only among the later steps' keys (EAGLE-3, SpecForge)."""
+    causal over the step-0 keys, and the same position only among the later steps' keys (EAGLE-3, SpecForge).
+
+    `segments` (B, T): which sequence each row of a packed batch belongs to; the step-0 keys are then also
+    restricted to the row's own sequence -> (B, 1, T, (step + 1) T)."""
     eye = torch.eye(T, dtype=torch.bool, device=device)
-    return torch.cat([causal_mask(T, T, device), *([eye] * step)], dim=1)
+    causal = causal_mask(T, T, device)
+    if segments is None:
+        return torch.cat([causal, *([eye] * step)], dim=1)
+    B = segments.shape[0]
+    own = causal & (segments[:, :, None] == segments[:, None, :])  # (B, T, T)
+    return torch.cat([own, *([eye.expand(B, T, T)] * step)], dim=2)[:, None]
 
 
 def folded_gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

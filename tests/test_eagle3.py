@@ -9,10 +9,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.models import tiny_llama
+from helpers.models import eagle3_setup, tiny_llama
 from helpers.runs import require_speculators
 from safetensors.torch import load_file
 
+from distill.eagle3 import Packing as e3_packing
 from distill.eagle3 import choose_draft_vocab, draft_targets, shift, ttt_logits
 from distill.students import DraftConfig
 from eval.engines import ServingSetting, engine_snippets
@@ -238,11 +239,59 @@ def test_training_time_test_computes_what_a_chain_draft_computes_at_inference(ta
         for t in (0, 4, T - depth - 1):
             for j, logits in enumerate(chain_draft(draft, aux, emb, t, depth)):
                 torch.testing.assert_close(steps[j][:, t], logits, msg=f"row {t}, step {j}")
-        wrong = lambda T, step, device: torch.ones(T, (step + 1) * T, dtype=torch.bool).tril()  # noqa: E731
+        wrong = lambda T, step, device, segments=None: torch.ones(T, (step + 1) * T, dtype=torch.bool).tril()  # noqa: E731
         monkeypatch.setattr(distill.eagle3, "ttt_mask", wrong)
         broken = [logits for _, logits in ttt_logits(draft, aux, emb, depth)]
     assert torch.equal(broken[0], steps[0])  # step 0 has no later keys: the same
     assert not torch.allclose(broken[2][:, 4], steps[2][:, 4], atol=1e-4)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_packed_sequences_train_the_head_exactly_as_padded_ones(monkeypatch, cache):
+    """`draft.pack_sequences`: the micro-batch's sequences in one row give the padded batch's loss and gradients,
+    from the teacher online or the cache, with every token trained (prompt ones too, so a row whose target lies in
+    the next sequence would count). Attending across sequences, or training rows whose target crosses into the next
+    one, must not."""
+    import distill.eagle3 as e3
+    from distill.config import DistillConfig
+
+    target, student, aux_layers, rows = eagle3_setup(prompt_topk=True, shapes=((4, 11), (2, 5), (3, 9)))
+    embed_weight = e3.frozen_embedding(target, "cpu")
+    batch = e3.collate_eagle3(rows, max_seq_len=64, pad_id=0, topk=cache, loss_on_prompt=True)
+    teacher, index = (None, torch.arange(batch["aux_hidden"].shape[-1])) if cache else (target, None)
+
+    def loss_and_grads(pack: bool):
+        draft_cfg = DraftConfig(init="eagle3", ttt_depth=3, pack_sequences=pack)
+        student.zero_grad()
+        loss = e3.eagle3_loss(student, embed_weight, teacher, batch, 7, draft_cfg, DistillConfig(), index,
+                              aux_layers=aux_layers)  # fmt: skip
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+
+    padded, padded_grads = loss_and_grads(False)
+    packed, packed_grads = loss_and_grads(True)
+    torch.testing.assert_close(packed, padded)
+    assert padded_grads.keys() == packed_grads.keys() and padded_grads
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, msg=name)
+
+    real_mask = e3.ttt_mask
+    monkeypatch.setattr(e3, "ttt_mask", lambda T, step, device, segments=None: real_mask(T, step, device))
+    assert not torch.allclose(loss_and_grads(True)[0], padded, rtol=1e-3)  # attends the previous sequences
+    monkeypatch.setattr(e3, "ttt_mask", real_mask)
+    monkeypatch.setattr(e3.Packing, "same", lambda self, n: torch.ones_like(self.segments, dtype=torch.bool))
+    assert not torch.allclose(loss_and_grads(True)[0], padded, rtol=1e-3)  # learns across the boundaries
+
+
+def test_packing_concatenates_the_real_positions_and_counts_positions_per_sequence():
+    packing = e3_packing.of(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]))
+    assert packing.segments.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2]]
+    assert packing.position.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert packing(torch.arange(12).view(3, 4)).tolist() == [[0, 1, 2, 4, 5, 8, 9, 10, 11]]
+    assert packing.same(2).tolist() == [[True, False, False, False, False, True, True, False, False]]
+    mask = ttt_mask(9, 1, torch.device("cpu"), packing.segments)  # (1, 1, 9, 18)
+    assert mask.shape == (1, 1, 9, 18) and mask[0, 0, 4, :9].tolist() == [False] * 3 + [True] * 2 + [False] * 4
+    assert torch.equal(mask[0, 0, :, 9:], torch.eye(9, dtype=torch.bool))
 
 
 def test_ttt_mask_is_causal_on_step_zero_and_diagonal_after():

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.models import eagle3_setup
 from helpers.runs import make_teacher_data, metric_rows, tiny_setup, train_config
 
 from distill.batches import IGNORE, collate, fetch_rows, load_training_split
@@ -108,7 +109,7 @@ def test_a_dataset_written_before_topk_start_loads_and_collates_as_before(tiny, 
         want = torch.full((batch["labels"].shape[1],), IGNORE)
         want[P - 1 : len(ids) - 1] = torch.tensor(ids[P:])
         assert torch.equal(batch["labels"][b], want)
-        assert batch["topk_ids"][b, P - 1 : len(ids) - 1].tolist() == row["topk_ids"]
+        assert batch["topk_ids"][b, P - 1 : len(ids) - 1].tolist() == row["topk_ids"].tolist()
         np.testing.assert_allclose(batch["topk_logprobs"][b, P - 1 : len(ids) - 1].numpy(), row["topk_logprobs"])
 
     full = make_teacher_data(tmp_path, teacher, top_k=4, prompt_topk=True)
@@ -344,30 +345,6 @@ def test_validation_measures_response_tokens_whatever_the_flag(tiny):
 # EAGLE-3
 
 
-def eagle3_setup(prompt_topk: bool):
-    """A 6-layer target, a head over its whole vocabulary (no position masked for its teacher argmax), and two rows
-    with a full top-k cache (K = V, so the cached targets are the online ones) and their aux hidden states."""
-    from helpers.models import tiny_llama
-
-    from specdec_runtime.eagle3 import Eagle3Draft, target_aux_forward
-
-    target = tiny_llama(seed=1, layers=6)
-    head = Eagle3Draft.from_target(target, torch.arange(64), seed=0)
-    aux_layers = head.aux_layers(6)
-    g = torch.Generator().manual_seed(4)
-    rows = []
-    for P, n in ((4, 11), (3, 7)):
-        ids = torch.randint(0, 64, (n,), generator=g).tolist()
-        with torch.no_grad():
-            logits, aux = target_aux_forward(target, torch.tensor([ids]), aux_layers)
-        start = 1 if prompt_topk else P
-        values, top = torch.log_softmax(logits[0, start - 1 : -1].float(), -1).topk(64, -1)  # (R, V) each
-        row = {"input_ids": ids, "prompt_len": P, "topk_ids": top.tolist(), "topk_logprobs": values.half().tolist()}
-        row |= {"aux_hidden": aux[0].half().tolist()} | ({TOPK_START: start} if prompt_topk else {})
-        rows.append(row)
-    return target, head, aux_layers, rows
-
-
 def trained_rows(row: dict, j: int, flag: bool) -> list[int]:
     """Rows t of unrolled step j that learn something: the head at row t, step j, learns the teacher's distribution
     at position t + 1 + j, the one that predicts token t + 2 + j; trained when that token exists and, without the
@@ -393,7 +370,7 @@ def test_the_eagle3_heads_unrolled_steps_train_prompt_positions_with_the_flag(mo
     for flag in (True, False):
         batch = e3.collate_eagle3(rows, max_seq_len=64, pad_id=0, topk=cache, loss_on_prompt=flag)
         teacher, index = (None, torch.arange(batch["aux_hidden"].shape[-1])) if cache else (target, None)
-        depth = DraftConfig(init="eagle3", ttt_depth=3)
+        depth = DraftConfig(init="eagle3", ttt_depth=3, pack_sequences=False)  # masks in the padded layout
         masks.clear()
         e3.eagle3_loss(head, embed_weight, teacher, batch, 1, depth, distill_cfg, index, aux_layers=aux_layers)
         for j, mask in enumerate(masks):

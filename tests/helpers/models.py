@@ -116,3 +116,27 @@ def per_row_tree(parents: list[list[int]]) -> Tree:
     parents_t, depth_t = torch.tensor(parents), torch.tensor(depth)
     ranks = sibling_rank(parents_t)
     return Tree(parents_t, depth_t, ranks, int(depth_t.max()), int(ranks.max()) + 1)
+
+
+def eagle3_setup(prompt_topk: bool, shapes=((4, 11), (3, 7))):
+    """A 6-layer target, a head over its whole vocabulary (no position masked for its teacher argmax), and one row
+    per (prompt length, length) in `shapes` with a full top-k cache (K = V, so the cached targets are the online
+    ones; from position 0 with `prompt_topk`) and their aux hidden states."""
+    from distill.data import TOPK_START
+    from specdec_runtime.eagle3 import Eagle3Draft, target_aux_forward
+
+    target = tiny_llama(seed=1, layers=6)
+    head = Eagle3Draft.from_target(target, torch.arange(64), seed=0)
+    aux_layers = head.aux_layers(6)
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for P, n in shapes:
+        ids = torch.randint(0, 64, (n,), generator=g).tolist()
+        with torch.no_grad():
+            logits, aux = target_aux_forward(target, torch.tensor([ids]), aux_layers)
+        start = 1 if prompt_topk else P
+        values, top = torch.log_softmax(logits[0, start - 1 : -1].float(), -1).topk(64, -1)  # (R, V) each
+        row = {"input_ids": ids, "prompt_len": P, "topk_ids": top.tolist(), "topk_logprobs": values.half().tolist()}
+        row |= {"aux_hidden": aux[0].half().tolist()} | ({TOPK_START: start} if prompt_topk else {})
+        rows.append(row)
+    return target, head, aux_layers, rows
