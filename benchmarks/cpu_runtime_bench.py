@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from distill.prompts import load_prompts, render_chat
+from distill.prompts import interleave_categories, load_prompts, render_chat
 from distill.students import evenly_spaced_layers, truncate_student
 from specdec_runtime.ab import capture_graphs, cost_model, paired_runs, paired_speedup, pooled
 from specdec_runtime.backends import BackendOptions, backend_name, fast_model, plan_rows
@@ -305,10 +305,8 @@ def main() -> None:
             models[b] = (fast_model(target, options[b]), fast_model(draft, options[b], draft=True))
         load_s[b] = time.perf_counter() - start
     records = load_prompts(args.prompts)
-    by_category = {}
-    for r in records:  # one prompt per category first (short answers and long passages alike), then the rest
-        by_category.setdefault(r.category, []).append(r)
-    order = [r for rank in range(len(records)) for rs in by_category.values() for r in rs[rank : rank + 1]]
+    # one prompt per category first (short answers and long passages alike), then the rest
+    order = interleave_categories(records)
     prompts = [render_chat(tokenizer, r.messages) for r in order[: args.num_prompts]]
     data_prompts = [render_chat(tokenizer, r.messages) for r in load_prompts(args.data_prompts, limit=args.data_batch)]
     machine = machine_info(probe=False)

@@ -50,9 +50,10 @@ below), with the options its documentation gives for hardware without its GPU ke
 attention needs compiled kernels), --loss-implementation eager (the fused losses are Triton), and --num-workers 0
 (as ours: no loader processes next to the two cores' training).
 
-On the 2-core CPU (docs/benchmarks.md) the `same` pair trains in ~20 min and measures in ~21; speculators' own
+On the 2-core CPU (docs/benchmarks.md) the `same` pair trains in ~12 min and measures in ~21; speculators' own
 recipe (`recommended`) ran 27 s a step there, ~2.3 h for 300 steps. A training whose result exists for the very
-same spec under <out>/children is reused (a run stopped after it, or re-run with other --pairs).
+same spec under <out>/children is reused (a run stopped after it, or re-run with other --pairs); ours' spec holds
+its recipe and a digest of our training code (`our_code`), so a change to either trains it again.
 
 Measurement. Each training runs in a process of its own, the trainers alternating from one pair to the next (ours,
 speculators | speculators, ours). tokens/s: the tokens of the sequences each step trains on (prompt and response,
@@ -71,6 +72,7 @@ the speed ratio ours / speculators with its paired interval (`specdec_runtime.ab
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -491,6 +493,17 @@ def run_speculators(spec: dict) -> dict:
     }
 
 
+def our_code() -> str:
+    """A digest of our training code (every .py of distill/, train/, specdec_runtime/, specdistill/), so that a
+    finished training of ours is reused only by the code that trained it."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for package in ("distill", "train", "specdec_runtime", "specdistill"):
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def child(args, name: str, spec: dict) -> dict:
     """Run `--child name` in a fresh process with `spec`; returns its JSON result."""
     folder = args.out / "children"
@@ -723,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tag": tag,
                     "config": str(config),
                     "recipe": recipe,  # so that a changed recipe (a new default too) is trained again
+                    "code": our_code(),  # and a change of the code that trains it
                     "name": tag,
                     "train": str(data.train),
                     "validation": str(data.validation),

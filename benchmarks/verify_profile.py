@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from distill.prompts import load_prompts, render_chat  # noqa: E402
+from distill.prompts import interleave_categories, load_prompts, render_chat  # noqa: E402
 from distill.students import evenly_spaced_layers, truncate_student  # noqa: E402
 from specdec_runtime.backends import BackendOptions, fast_model, plan_rows  # noqa: E402
 from specdec_runtime.cpu_tune import (  # noqa: E402
@@ -221,10 +221,7 @@ def main() -> None:
                 target, evenly_spaced_layers(target.config.num_hidden_layers, args.draft_layers)
             )
             records = load_prompts("builtin:test")
-            by_category = {}
-            for r in records:  # one prompt per category first, as cpu_runtime_bench orders them
-                by_category.setdefault(r.category, []).append(r)
-            order = [r for rank in range(len(records)) for rs in by_category.values() for r in rs[rank : rank + 1]]
+            order = interleave_categories(records)  # as cpu_runtime_bench orders them
             prompts = [render_chat(tokenizer, r.messages) for r in order[: args.num_prompts]]
             draft = fast_model(hf_draft, options, draft=True)
             stop = stop_token_ids(target, tokenizer)

@@ -151,10 +151,11 @@ class DistillConfig:
     chunk_size: int = 128
     """Positions per chunk when computing the loss, so (B, T, V) fp32 probabilities are never held twice."""
     chunked_head: bool = True
-    """Apply the student's output head inside the loss, chunk_size positions at a time, so its full (B, T, V) logits
-    and their gradient never exist (the full-logits path is kept automatically where the head cannot be reproduced,
-    and under FSDP). Each chunk accumulates the head's (V, D) gradient once: on GPUs with a large vocabulary use a
-    chunk_size of 1024 or more, or false when memory allows and the step is faster without it."""
+    """Apply the student's output head inside the loss, chunk_size positions at a time and to the trained positions
+    only, so its full (B, T, V) logits and their gradient never exist (EAGLE-3 heads too: once per unrolled step;
+    the full-logits path is kept automatically where the head cannot be reproduced, and under FSDP). Each chunk
+    accumulates the head's (V, D) gradient once: on GPUs with a large vocabulary use a chunk_size of 1024 or more,
+    or false when memory allows and the step is faster without it."""
     loss_on_prompt: bool = False
     """Train on every position that predicts a token of the sequence, prompt tokens included (validation still
     measures response tokens only). With teacher=cache the data stage then stores the top-k for prompt positions

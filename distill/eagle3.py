@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,11 +230,12 @@ class TTTCache:
         return self.cache.append(k, v)
 
 
-def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int, packing: Packing | None = None):
-    """Yield (step j, draft logits (B, T, Vd)) of the training-time-test unroll: aux (B, T, 3H) are the teacher's
-    states of the batch's tokens, embeds (B, T, H) their embeddings. Row t of step j sits at position t + j, reads
-    token t + 1 + j and step j - 1's pre-norm output of row t, and sees the step-0 keys of rows <= t and the keys
-    of steps 1..j of row t: what a chain draft computes at inference for its (j + 1)-th token after token t + 1.
+def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int, packing: Packing | None = None, *, head=True):
+    """Yield (step j, draft logits (B, T, Vd), or with head=False lm_head's input (B, T, H)) of the training-time-
+    test unroll: aux (B, T, 3H) are the teacher's states of the batch's tokens, embeds (B, T, H) their embeddings.
+    Row t of step j sits at position t + j, reads token t + 1 + j and step j - 1's pre-norm output of row t, and
+    sees the step-0 keys of rows <= t and the keys of steps 1..j of row t: what a chain draft computes at inference
+    for its (j + 1)-th token after token t + 1.
 
     With `packing` the rows hold several sequences: positions count from each sequence's start, and the step-0
     keys of other sequences are masked. A row whose token t + 1 + j lies in the next sequence computes garbage
@@ -245,7 +247,7 @@ def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int, packing: Packin
     hidden, cache = aux, TTTCache()
     for j in range(depth):
         mask = ttt_mask(T, j, embeds.device, segments)
-        logits, hidden = student(hidden, shift(embeds, 1 + j, 0.0), position + j, cache, mask)
+        logits, hidden = student(hidden, shift(embeds, 1 + j, 0.0), position + j, cache, mask, head=head)
         yield j, logits
 
 
@@ -287,11 +289,18 @@ def unrolled_steps(
     num_items,
     *,
     pack: bool = False,
+    lm_head_weight: Tensor | None = None,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
 ):
     """Yield (step j, draft logits (B, T, Vd), step j's objective summed over its valid rows / num_items, its
     terms) for j < draft.ttt_depth, from `teacher_view`'s output `view`. Step j's rows sit at positions t + j, read
     the embedding of token t + 1 + j and learn the teacher's distribution at position t + 1 + j. With `pack` the
-    batch's sequences are first concatenated into one row (`Packing`), and the logits are (1, N, Vd)."""
+    batch's sequences are first concatenated into one row (`Packing`), and the logits are (1, N, Vd).
+
+    With `lm_head_weight` (the head's own weight; not under FSDP, which shards it outside the forward) the loss
+    applies the head to the valid rows only, chunk by chunk with the gradient in the forward (`distill_loss`'s
+    `student_hidden`), inside `autocast` (the forward's own, which the head's matmul then leaves): no (B, T, Vd)
+    logits exist, and the logits yielded are None."""
     plain = _unwrap(student)
     aux, logits, topk = view
     labels, input_ids, packing = batch["labels"], batch["input_ids"], None
@@ -305,23 +314,30 @@ def unrolled_steps(
     labels_d, label_in = draft_labels(plain, labels) if "ce" in distill_cfg.objective else (labels.clamp(min=0), valid)
     dtype = plain.fc.weight.dtype  # fp32 masters (autocast runs the matmuls in bf16), or DeepSpeed's bf16 copy
     embeds = nn.functional.embedding(input_ids, embed_weight).to(dtype)  # (B, T, H), frozen
-    for j, draft_logits in ttt_logits(student, aux.to(dtype), embeds, draft_cfg.ttt_depth, packing):
+    fused = lm_head_weight is not None
+    for j, out in ttt_logits(student, aux.to(dtype), embeds, draft_cfg.ttt_depth, packing, head=not fused):
         n = 1 + j
         mask = shift(valid & in_vocab & label_in, n, False)
         if packing is not None:
             mask = mask & packing.same(n)  # token t + n of a packed row may be the next sequence's
-        loss, terms = distill_loss(
-            draft_logits,
-            TeacherTargets(logits=shift(teacher_d, n, LOG_ZERO)),
-            shift(labels_d, n, 0),
-            mask,
-            distill_cfg.objective,
-            kd_temperature=distill_cfg.kd_temperature,
-            beta=distill_cfg.beta,
-            num_items=num_items,
-            chunk_size=distill_cfg.chunk_size,
+        student_out = (
+            dict(student_logits=None, student_hidden=out, lm_head_weight=lm_head_weight)
+            if fused
+            else dict(student_logits=out)
         )
-        yield j, draft_logits, loss, terms
+        with autocast() if fused else nullcontext():
+            loss, terms = distill_loss(
+                teacher=TeacherTargets(logits=shift(teacher_d, n, LOG_ZERO)),
+                labels=shift(labels_d, n, 0),
+                mask=mask,
+                objective=distill_cfg.objective,
+                kd_temperature=distill_cfg.kd_temperature,
+                beta=distill_cfg.beta,
+                num_items=num_items,
+                chunk_size=distill_cfg.chunk_size,
+                **student_out,
+            )
+        yield j, None if fused else out, loss, terms
 
 
 def eagle3_loss(
@@ -335,14 +351,18 @@ def eagle3_loss(
     aux_index: Tensor | None,
     *,
     aux_layers: list[int],
+    lm_head_weight: Tensor | None = None,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
 ) -> Tensor:
     """This micro-batch's share of the step loss: sum_j ttt_decay^j x (the objective of unrolled step j summed over
     its valid rows) / `num_items`, the step's global response-token count. `student` may be the prepared (DDP /
-    FSDP / DeepSpeed) module: every step goes through its forward."""
+    FSDP / DeepSpeed) module: every step goes through its forward. `lm_head_weight`, `autocast`: the loss applies
+    the head (`unrolled_steps`)."""
     view = teacher_view(teacher, batch, aux_layers, aux_index)
     steps = unrolled_steps(
-        student, embed_weight, batch, view, draft_cfg, distill_cfg, num_items, pack=draft_cfg.pack_sequences
-    )
+        student, embed_weight, batch, view, draft_cfg, distill_cfg, num_items,
+        pack=draft_cfg.pack_sequences, lm_head_weight=lm_head_weight, autocast=autocast,
+    )  # fmt: skip
     return sum(draft_cfg.ttt_decay**j * loss for j, _, loss, _ in steps)
 
 
@@ -489,10 +509,20 @@ class Eagle3Training:
         embed = frozen_embedding(teacher, device)
         return cls(student.to(device), embed, draft_cfg, aux, index, coverage)
 
-    def loss(self, student, teacher, batch: dict[str, Tensor], num_items, distill_cfg: DistillConfig) -> Tensor:
+    def loss(
+        self,
+        student,
+        teacher,
+        batch: dict[str, Tensor],
+        num_items,
+        distill_cfg: DistillConfig,
+        *,
+        head=None,
+        autocast=nullcontext,
+    ) -> Tensor:
         return eagle3_loss(
             student, self.embed_weight, teacher, batch, num_items, self.draft, distill_cfg, self.aux_index,
-            aux_layers=self.aux_layers,
+            aux_layers=self.aux_layers, lm_head_weight=head, autocast=autocast,
         )  # fmt: skip
 
     def validation_sums(self, student, teacher, batch: dict[str, Tensor], distill_cfg: DistillConfig) -> Tensor:

@@ -405,6 +405,10 @@ class NormedFc(nn.Module):
         return self.proj(self.norm(x))
 
 
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
 class Eagle3Draft(nn.Module):
     """fc (3H -> H), one `Eagle3Layer`, norm, lm_head (Vd, H), and the d2t / t2d vocabulary maps as buffers; the
     `VARIANTS` a speculators head may hold switch on where its config says so."""
@@ -454,11 +458,13 @@ class Eagle3Draft(nn.Module):
         cache: Eagle3Cache | None = None,
         attention_mask: Tensor | None = None,
         last_only: bool = False,
+        head: bool = True,
     ) -> tuple[Tensor, Tensor]:
         """hidden (B, T, 3H) target aux states or (B, T, H) own pre-norm outputs, embeds (B, T, H) of the next
         tokens, position_ids (B, T), attention_mask (B, 1, T, S) bool over cache + rows (None = causal)
         -> (draft logits (B, T, Vd), or (B, 1, Vd) of the last row with last_only; the states later steps read
-        (B, T, H): the layer's pre-norm outputs, or with `norm_output` their normed ones).
+        (B, T, H): the layer's pre-norm outputs, or with `norm_output` their normed ones). `head=False` returns
+        lm_head's input (B, T, H) in place of the logits, for a loss that applies the head itself.
 
         `cache` is anything with `append(k, v) -> all keys, values` (`Eagle3Cache`, or the engine's slot cache)."""
         if hidden.shape[-1] != embeds.shape[-1]:
@@ -466,10 +472,11 @@ class Eagle3Draft(nn.Module):
         rope = self.rotary(embeds, position_ids)  # cos, sin (B, T, D)
         cache = cache if cache is not None else Eagle3Cache()
         prenorm = self.midlayer(hidden, embeds, rope, cache, attention_mask, position_ids)
+        lm_head = self.lm_head if head else _identity
         if self.norm_output:
             normed = self.norm(prenorm)
-            return self.lm_head(normed[:, -1:] if last_only else normed), normed
-        return self.lm_head(self.norm(prenorm[:, -1:] if last_only else prenorm)), prenorm
+            return lm_head(normed[:, -1:] if last_only else normed), normed
+        return lm_head(self.norm(prenorm[:, -1:] if last_only else prenorm)), prenorm
 
     # ------------------------------------------------------------------------------------------------------------
     # Files

@@ -250,8 +250,9 @@ def test_training_time_test_computes_what_a_chain_draft_computes_at_inference(ta
 def test_packed_sequences_train_the_head_exactly_as_padded_ones(monkeypatch, cache):
     """`draft.pack_sequences`: the micro-batch's sequences in one row give the padded batch's loss and gradients,
     from the teacher online or the cache, with every token trained (prompt ones too, so a row whose target lies in
-    the next sequence would count). Attending across sequences, or training rows whose target crosses into the next
-    one, must not."""
+    the next sequence would count); so does the loss applying lm_head to the valid rows itself (`distill.chunked_head`,
+    lm_head trained here), padded or packed. Attending across sequences, or training rows whose target crosses into
+    the next one, must not."""
     import distill.eagle3 as e3
     from distill.config import DistillConfig
 
@@ -260,20 +261,23 @@ def test_packed_sequences_train_the_head_exactly_as_padded_ones(monkeypatch, cac
     batch = e3.collate_eagle3(rows, max_seq_len=64, pad_id=0, topk=cache, loss_on_prompt=True)
     teacher, index = (None, torch.arange(batch["aux_hidden"].shape[-1])) if cache else (target, None)
 
-    def loss_and_grads(pack: bool):
+    def loss_and_grads(pack: bool, fused: bool = False):
         draft_cfg = DraftConfig(init="eagle3", ttt_depth=3, pack_sequences=pack)
         student.zero_grad()
+        head = student.lm_head.weight if fused else None
         loss = e3.eagle3_loss(student, embed_weight, teacher, batch, 7, draft_cfg, DistillConfig(), index,
-                              aux_layers=aux_layers)  # fmt: skip
+                              aux_layers=aux_layers, lm_head_weight=head)  # fmt: skip
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
 
     padded, padded_grads = loss_and_grads(False)
-    packed, packed_grads = loss_and_grads(True)
-    torch.testing.assert_close(packed, padded)
-    assert padded_grads.keys() == packed_grads.keys() and padded_grads
-    for name, grad in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, msg=name)
+    assert "lm_head.weight" in padded_grads and len(padded_grads) > 5
+    for pack, fused in [(True, False), (False, True), (True, True)]:
+        loss, grads = loss_and_grads(pack, fused)
+        torch.testing.assert_close(loss, padded, msg=f"pack={pack} fused={fused}")
+        assert grads.keys() == padded_grads.keys()
+        for name, grad in padded_grads.items():
+            torch.testing.assert_close(grads[name], grad, msg=f"{name} pack={pack} fused={fused}")
 
     real_mask = e3.ttt_mask
     monkeypatch.setattr(e3, "ttt_mask", lambda T, step, device, segments=None: real_mask(T, step, device))

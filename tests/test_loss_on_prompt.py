@@ -365,7 +365,7 @@ def test_the_eagle3_heads_unrolled_steps_train_prompt_positions_with_the_flag(mo
     embed_weight = e3.frozen_embedding(target, "cpu")
     distill_cfg = DistillConfig(objective={"forward_kl": 1.0})
     masks, real = [], e3.distill_loss
-    monkeypatch.setattr(e3, "distill_loss", lambda *a, **k: masks.append(a[3].clone()) or real(*a, **k))
+    monkeypatch.setattr(e3, "distill_loss", lambda *a, **k: masks.append(k["mask"].clone()) or real(*a, **k))
     losses = {}
     for flag in (True, False):
         batch = e3.collate_eagle3(rows, max_seq_len=64, pad_id=0, topk=cache, loss_on_prompt=flag)

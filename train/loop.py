@@ -319,14 +319,14 @@ class DistillRecipe:
         acc, world = self.accelerator, self.world
         # Checked on the plain fp32 student, before accelerate wraps its forward in autocast. FSDP shards the head's
         # weight, which the loss could not multiply by: the full-logits path there.
+        # An EAGLE-3 head's logits are lm_head(its own forward's last output) by construction.
         chunk_head = (
-            not self.eagle3
-            and self.distill_cfg.chunked_head
-            and not self.fsdp
-            and chunked_head(self.student) is not None
+            self.distill_cfg.chunked_head and not self.fsdp and (self.eagle3 or chunked_head(self.student) is not None)
         )
         self.student, self.prepared_optimizer = distributed.prepare(acc, self.student, self.optimizer, self.train_cfg)
-        self.head = acc.unwrap_model(self.student).get_output_embeddings().weight if chunk_head else None
+        plain = acc.unwrap_model(self.student)
+        head = plain.lm_head if self.eagle3 else plain.get_output_embeddings()
+        self.head = head.weight if chunk_head else None
         if ckpt is not None:
             saved, ds = ckpt.optimizer, self.deepspeed
             distributed.load_optimizer_state(
@@ -441,7 +441,10 @@ class DistillRecipe:
         the head matmul runs here: it enters the autocast accelerate would have applied inside the forward.
         """
         if self.eagle3:
-            return self.eagle3.loss(self.student, self.teacher, batch, num_items, self.distill_cfg)
+            return self.eagle3.loss(
+                self.student, self.teacher, batch, num_items, self.distill_cfg, head=self.head,
+                autocast=self.accelerator.autocast,
+            )  # fmt: skip
         student, head, labels = self.student, self.head, batch["labels"]
         targets = teacher_targets(self.teacher, batch)
         if head is None:
