@@ -357,14 +357,16 @@ def test_folded_gqa_attention_is_sdpas_gqa_in_outputs_and_gradients():
             torch.testing.assert_close(g, ref)
 
 
-def test_the_heads_training_attention_has_equal_head_counts_and_drafting_keeps_sdpas_gqa(target, monkeypatch):
-    """With autograd recording, every attention of the TTT unroll reaches SDPA with as many key as query heads and
-    no enable_gqa (the memory-efficient kernel's terms on CUDA); without (drafting, validation), it stays SDPA's GQA
-    over the KV heads, as before. Both give the same logits."""
+def test_the_heads_cpu_training_attention_repeats_the_keys_and_broadcasts_the_mask(target, monkeypatch):
+    """With autograd recording on the CPU, every attention of the TTT unroll reaches SDPA with the keys and values
+    repeated to the query heads and a mask with one head dimension (broadcast: SDPA's float copy of it, kept for
+    backward, is not repeated per query head as `folded_gqa_attention`'s would be); without (drafting, validation),
+    it stays SDPA's GQA over the KV heads. Both give the same logits (CUDA's folded form: the test above)."""
     calls, sdpa = [], F.scaled_dot_product_attention
 
     def recorded(q, k, v, **kwargs):
-        calls.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False)))
+        mask = kwargs.get("attn_mask")
+        calls.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False), mask.dim() < 4 or mask.shape[1] == 1))
         return sdpa(q, k, v, **kwargs)
 
     draft, T = head(target).train(), 7
@@ -374,11 +376,11 @@ def test_the_heads_training_attention_has_equal_head_counts_and_drafting_keeps_s
         emb = embed(target, ids)
     monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)  # torch's own: after the target's forward
     training = [logits for _, logits in ttt_logits(draft, aux, emb, 3)]
-    assert calls == [(2, 2, False)] * 3  # tiny_llama: 4 query heads, 2 key heads
+    assert calls == [(4, 4, False, True)] * 3  # tiny_llama: 4 query heads, 2 key heads
     calls.clear()
     with torch.no_grad():
         drafting = [logits for _, logits in ttt_logits(draft, aux, emb, 3)]
-    assert calls == [(4, 2, True)] * 3
+    assert calls == [(4, 2, True, True)] * 3
     for got, want in zip(training, drafting):
         torch.testing.assert_close(got.detach(), want)
 

@@ -121,6 +121,12 @@ def test_config_drift_allows_more_steps_but_not_another_objective(tmp_path):
     sharded = train_config(tmp_path, "train.shard_teacher=always")
     assert config_drift(to_dict(a), to_dict(sharded)) == []
     assert training_fingerprint(a) == training_fingerprint(sharded)
+    # So does packing an EAGLE-3 head's batch (the same loss and gradients), and a checkpoint from before the key.
+    padded = train_config(tmp_path, "draft.pack_sequences=false")
+    saved = to_dict(a)
+    del saved["draft"]["pack_sequences"]
+    assert config_drift(to_dict(a), to_dict(padded)) == config_drift(saved, to_dict(padded)) == []
+    assert training_fingerprint(a) == training_fingerprint(padded)
 
 
 def test_the_teacher_is_sharded_when_the_student_is_or_when_asked():
