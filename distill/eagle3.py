@@ -192,17 +192,22 @@ def shift(x: Tensor, n: int, fill) -> Tensor:
     return out
 
 
-def draft_targets(student: Eagle3Draft, logits: Tensor | None, topk) -> tuple[Tensor, Tensor]:
-    """(teacher logits over the draft vocabulary (B, T, Vd) fp32, teacher argmax in the draft vocabulary (B, T))."""
+def draft_targets(student: Eagle3Draft, logits: Tensor | None, topk, pad: int = 0) -> tuple[Tensor, Tensor]:
+    """(teacher logits over the draft vocabulary (B, T + pad, Vd) fp32, the last `pad` rows LOG_ZERO, teacher argmax
+    in the draft vocabulary (B, T)). The pad rows let unrolled step j read rows j + 1 .. j + T as a view
+    instead of a shifted (B, T, Vd) copy per step."""
     keep = target_ids(student.d2t)  # (Vd,)
     if logits is not None:
-        return logits[..., keep].float(), student.t2d[logits.argmax(-1)]
+        dense = logits[..., keep].float()
+        fill = dense.new_full((dense.shape[0], pad, len(keep)), LOG_ZERO)
+        return torch.cat([dense, fill], 1) if pad else dense, student.t2d[logits.argmax(-1)]
     ids, logprobs = topk[0].long(), topk[1].float()  # (B, T, K)
+    B, T = ids.shape[:2]
     index = torch.cumsum(student.t2d.long(), 0) - 1  # target id -> draft index where t2d
     inside = student.t2d[ids]
     # Top-k ids are distinct, so the kept ones land on distinct columns; the others go to a spare last column.
-    dense = logprobs.new_full((*ids.shape[:2], len(keep) + 1), LOG_ZERO)
-    dense.scatter_(-1, torch.where(inside, index[ids], len(keep)), torch.where(inside, logprobs, LOG_ZERO))
+    dense = logprobs.new_full((B, T + pad, len(keep) + 1), LOG_ZERO)
+    dense[:, :T].scatter_(-1, torch.where(inside, index[ids], len(keep)), torch.where(inside, logprobs, LOG_ZERO))
     top1 = ids.gather(-1, logprobs.argmax(-1, keepdim=True))[..., 0]  # (B, T)
     return dense[..., :-1], student.t2d[top1]
 
@@ -309,13 +314,15 @@ def unrolled_steps(
         aux, labels, input_ids = packing(aux), packing(labels), packing(input_ids)
         logits = None if logits is None else packing(logits)
         topk = None if topk is None else tuple(packing(x) for x in topk)
-    teacher_d, in_vocab = draft_targets(plain, logits, topk)  # (B, T, Vd), (B, T)
+    depth = draft_cfg.ttt_depth
+    teacher_d, in_vocab = draft_targets(plain, logits, topk, pad=depth)  # (B, T + depth, Vd), (B, T)
     valid = labels != IGNORE
     labels_d, label_in = draft_labels(plain, labels) if "ce" in distill_cfg.objective else (labels.clamp(min=0), valid)
     dtype = plain.fc.weight.dtype  # fp32 masters (autocast runs the matmuls in bf16), or DeepSpeed's bf16 copy
     embeds = nn.functional.embedding(input_ids, embed_weight).to(dtype)  # (B, T, H), frozen
     fused = lm_head_weight is not None
-    for j, out in ttt_logits(student, aux.to(dtype), embeds, draft_cfg.ttt_depth, packing, head=not fused):
+    T = labels.shape[1]
+    for j, out in ttt_logits(student, aux.to(dtype), embeds, depth, packing, head=not fused):
         n = 1 + j
         mask = shift(valid & in_vocab & label_in, n, False)
         if packing is not None:
@@ -327,7 +334,7 @@ def unrolled_steps(
         )
         with autocast() if fused else nullcontext():
             loss, terms = distill_loss(
-                teacher=TeacherTargets(logits=shift(teacher_d, n, LOG_ZERO)),
+                teacher=TeacherTargets(logits=teacher_d[:, n : n + T]),  # shift(.., n, LOG_ZERO), a view
                 labels=shift(labels_d, n, 0),
                 mask=mask,
                 objective=distill_cfg.objective,

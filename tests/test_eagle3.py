@@ -13,8 +13,8 @@ from helpers.models import eagle3_setup, tiny_llama
 from helpers.runs import require_speculators
 from safetensors.torch import load_file
 
+from distill.eagle3 import LOG_ZERO, choose_draft_vocab, draft_targets, shift, ttt_logits
 from distill.eagle3 import Packing as e3_packing
-from distill.eagle3 import choose_draft_vocab, draft_targets, shift, ttt_logits
 from distill.students import DraftConfig
 from eval.engines import ServingSetting, engine_snippets
 from specdec_runtime.eagle3 import (
@@ -189,6 +189,12 @@ def test_cached_top_k_covering_everything_gives_the_online_targets(target):
     seen = kept > 0  # a position with no top-k token in the vocabulary has its argmax outside too: masked anyway
     # LOG_ZERO is finite (exp's fast range): each missing token keeps ~1e-38, nothing a loss can see
     assert seen.any() and torch.equal((partial.softmax(-1) > 1e-30).sum(-1)[seen], kept[seen])
+    # Padded by the unroll's depth, rows n .. n + T are the targets shifted by n (LOG_ZERO past the end), as views.
+    for teacher in ((logits, None), (None, (ids, values))):
+        plain, padded = draft_targets(draft, *teacher)[0], draft_targets(draft, *teacher, pad=3)[0]
+        assert padded.shape == (2, 5 + 3, len(DRAFT_IDS))
+        for n in (1, 2, 3):
+            assert torch.equal(padded[:, n : n + 5], shift(plain, n, LOG_ZERO)), n
 
 
 # ------------------------------------------------------------------------------------------------ cache and TTT
