@@ -304,11 +304,14 @@ def unrolled_steps(
 
     With `lm_head_weight` (the head's own weight; not under FSDP, which shards it outside the forward) the loss
     applies the head to the valid rows only, chunk by chunk with the gradient in the forward (`distill_loss`'s
-    `student_hidden`), inside `autocast` (the forward's own, which the head's matmul then leaves): no (B, T, Vd)
-    logits exist, and the logits yielded are None."""
+    `student_hidden`), inside `autocast` (the one accelerate applies inside the forward, which the head's matmul now
+    runs outside of): no (B, T, Vd) logits exist, and the logits yielded are None."""
     plain = _unwrap(student)
     aux, logits, topk = view
     labels, input_ids, packing = batch["labels"], batch["input_ids"], None
+    if pack and plain.midlayer.self_attn.sliding_window is not None:
+        # its window counts keys by their index in the row, which packing makes differ from their positions
+        raise UserError("draft.pack_sequences needs a head without a sliding window; set draft.pack_sequences=false")
     if pack:
         packing = Packing.of(batch["attention_mask"])
         aux, labels, input_ids = packing(aux), packing(labels), packing(input_ids)

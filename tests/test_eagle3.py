@@ -293,6 +293,26 @@ def test_packed_sequences_train_the_head_exactly_as_padded_ones(monkeypatch, cac
     assert not torch.allclose(loss_and_grads(True)[0], padded, rtol=1e-3)  # learns across the boundaries
 
 
+def test_packing_refuses_a_head_with_a_sliding_window():
+    """A sliding window counts keys by their index in the row, which packing makes differ from their positions."""
+    import distill.eagle3 as e3
+    from distill.config import DistillConfig
+    from specdec_runtime.errors import UserError
+
+    target, student, aux_layers, rows = eagle3_setup(prompt_topk=False)
+    student.midlayer.self_attn.sliding_window = 4
+    batch = e3.collate_eagle3(rows, max_seq_len=64, pad_id=0, topk=False)
+    embed_weight = e3.frozen_embedding(target, "cpu")
+    draft_cfg = DraftConfig(init="eagle3", ttt_depth=2)
+    with pytest.raises(UserError, match="pack_sequences=false"):
+        e3.eagle3_loss(student, embed_weight, target, batch, 1, draft_cfg, DistillConfig(), None, aux_layers=aux_layers)
+    unpacked = DraftConfig(init="eagle3", ttt_depth=2, pack_sequences=False)
+    assert (
+        e3.eagle3_loss(student, embed_weight, target, batch, 1, unpacked, DistillConfig(), None, aux_layers=aux_layers)
+        > 0
+    )
+
+
 def test_packing_concatenates_the_real_positions_and_counts_positions_per_sequence():
     packing = e3_packing.of(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]))
     assert packing.segments.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2]]
