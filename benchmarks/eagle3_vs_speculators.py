@@ -67,6 +67,11 @@ order): each head's acceptance_rate, mean_accepted_length (tau) and speedup with
 differences ours - speculators with paired bootstrap intervals over prompts (`recipe_study.paired_difference`) and
 the speed ratio ours / speculators with its paired interval (`specdec_runtime.ab.paired_speedup`). Goals (issue
 27): the acceptance difference's interval above -0.02, training tokens/s >= 1.5x speculators' at no more peak memory.
+
+Ablation (--ablate KEY=VALUE, repeatable): one more training of ours, the first pair's recipe with these overrides
+(e.g. `distill.teacher=online`: the target's exact logits in training instead of the top-k cache, the signal
+speculators learns from), measured as one more arm of the same A/B; the JSON's `ablation` holds its training and,
+per temperature, its paired differences against ours (what the overrides change) and against speculators.
 """
 
 from __future__ import annotations
@@ -223,10 +228,11 @@ def write_speculators_data(target, cand, data, out: Path) -> dict:
 # The two recipes of each pair
 
 
-def our_recipe(cand, pair: str, out: Path, steps: int):
+def our_recipe(cand, pair: str, out: Path, steps: int, ablate: list[str] = ()):
     """The candidate's resolved config for one of our trainings: its recipe (`same`: as speculators runs it where
-    that is fixed there), one process, validation and a checkpoint only after the last step."""
-    from specdistill.config import RootConfig, from_dict, set_dotted, to_dict
+    that is fixed there), one process, validation and a checkpoint only after the last step; `ablate`, `key=value`
+    overrides on top (--ablate: the ablation's training)."""
+    from specdistill.config import RootConfig, from_dict, parse_override, set_dotted, to_dict
 
     data = to_dict(cand)
     fixed = {
@@ -247,6 +253,8 @@ def our_recipe(cand, pair: str, out: Path, steps: int):
         fixed |= {"draft.freeze_lm_head": True}
     for key, value in fixed.items():
         set_dotted(data, key, value)
+    for text in ablate:
+        set_dotted(data, *parse_override(text))
     return from_dict(RootConfig, data)
 
 
@@ -504,6 +512,25 @@ def our_code() -> str:
     return digest.hexdigest()[:16]
 
 
+def our_spec(args, cand, pair: str, tag: str, steps: int, data, ablate: list[str] = ()) -> dict:
+    """The spec of one of our trainings: its config written under <out>/children, and what makes it reusable."""
+    from specdistill.config import dump_yaml
+
+    config = args.out / "children" / f"{tag}.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    recipe = dump_yaml(our_recipe(cand, pair, args.out, steps, ablate))
+    config.write_text(recipe)
+    return {
+        "tag": tag,
+        "config": str(config),
+        "recipe": recipe,  # so that a changed recipe (a new default too) is trained again
+        "code": our_code(),  # and a change of the code that trains it
+        "name": tag,
+        "train": str(data.train),
+        "validation": str(data.validation),
+    }
+
+
 def child(args, name: str, spec: dict) -> dict:
     """Run `--child name` in a fresh process with `spec`; returns its JSON result."""
     folder = args.out / "children"
@@ -684,6 +711,13 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1, help="untimed calls per arm before the A/B")
+    ap.add_argument(
+        "--ablate",
+        action="append",
+        metavar="KEY=VALUE",
+        help="train one more head of ours: the first pair's recipe with this override (repeatable, e.g. "
+        "--ablate distill.teacher=online), measured as one more arm of the same A/B",
+    )
     ap.add_argument("--smoke", action="store_true", help="random:tiny-llama, a few prompts and steps (the test)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--child", choices=TRAINERS, help=argparse.SUPPRESS)
@@ -708,7 +742,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from specdec_runtime.cpu_tune import machine_info
     from specdec_runtime.loading import resolve_model_path
-    from specdistill.config import dump_yaml
     from specdistill.pipeline import dist_state, eval_prompts, load_target, stage_data
 
     start = time.perf_counter()
@@ -728,19 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         for who in TRAINERS if p % 2 == 0 else reversed(TRAINERS):  # ABBA over the pairs
             tag = f"{pair}-{who}"
             if who == "ours":
-                config = args.out / "children" / f"{tag}.yaml"
-                config.parent.mkdir(parents=True, exist_ok=True)
-                recipe = dump_yaml(our_recipe(cand, pair, args.out, steps))
-                config.write_text(recipe)
-                spec = {
-                    "tag": tag,
-                    "config": str(config),
-                    "recipe": recipe,  # so that a changed recipe (a new default too) is trained again
-                    "code": our_code(),  # and a change of the code that trains it
-                    "name": tag,
-                    "train": str(data.train),
-                    "validation": str(data.validation),
-                }
+                spec = our_spec(args, cand, pair, tag, steps, data)
             else:
                 save = args.out / "speculators" / pair / "checkpoints"
                 flags = their_flags(cand, pair, spec_data, verifier, save, steps)
@@ -755,6 +776,10 @@ def main(argv: list[str] | None = None) -> int:
                 }
             print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({steps} steps)", flush=True)
             trainings[tag] = child(args, who, spec)
+    if args.ablate:  # one more of ours: the first pair's recipe with the overrides, an arm of the same A/B
+        tag = f"{args.pairs[0]}-ours-ablation"
+        print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({' '.join(args.ablate)})", flush=True)
+        trainings[tag] = child(args, "ours", our_spec(args, cand, args.pairs[0], tag, steps, data, args.ablate))
 
     probe = load_teacher_row(data.validation, cand.train.max_seq_len, limit=64)
     prompts = eval_prompts("builtin:test", tokenizer, args.prompts, trained_on=cfg.data)
@@ -792,6 +817,8 @@ def main(argv: list[str] | None = None) -> int:
             "goals": goals,
             "recipes": recipes(cand, theirs["total_seq_len"])[pair],
         }
+        if args.ablate and pair == args.pairs[0]:
+            results[pair]["ablation"] = ablation_summary(args, trainings, measured, pair)
 
     settings = {
         "config": args.config,
@@ -821,6 +848,21 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def ablation_summary(args, trainings: dict, measured: dict, pair: str) -> dict:
+    """The --ablate head against the pair's two: its training, its metrics and, per temperature, the paired
+    differences ablation - ours (what the overrides changed) and ablation - speculators."""
+    tag = f"{pair}-ours-ablation"
+    evals = {}
+    for T, runs in measured.items():
+        a = runs[tag]
+        evals[f"T={T:g}"] = {
+            "ablation": head_metrics(a, args.gamma),
+            "minus_ours": head_difference(a, runs[f"{pair}-ours"]),
+            "minus_speculators": head_difference(a, runs[f"{pair}-speculators"]),
+        }
+    return {"overrides": args.ablate, "training": training_summary(trainings[tag], args.warmup_steps), "eval": evals}
 
 
 def load_teacher_row(path: Path, max_len: int, *, limit: int) -> list[int]:
@@ -875,6 +917,18 @@ def print_table(report: dict) -> None:
             f"{'passed' if c['passed'] else 'FAILED'}; same draft vocabulary: {r['same_draft_vocab']}"
         )
         print("goals: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r["goals"].items()))
+        if "ablation" in r:
+            a = r["ablation"]
+            print(
+                f"\nablation ({' '.join(a['overrides'])}): training {a['training']['tokens_per_s']:.0f} tokens/s, "
+                f"peak RSS {a['training']['peak_rss_mb']:.0f} MiB\n\n| | ablation | ablation - ours | "
+                "ablation - speculators |\n| --- | ---: | ---: | ---: |"
+            )
+            for T, e in a["eval"].items():
+                for label, key in (("acceptance", "acceptance_rate"), ("tau", "mean_accepted_length")):
+                    m, do, dt = e["ablation"], e["minus_ours"], e["minus_speculators"]
+                    cells = [ci(m[key], m[f"{key}_ci"])] + [ci(d[key], d[f"{key}_ci"], "{:+.3f}") for d in (do, dt)]
+                    print(f"| {T} {label} | " + " | ".join(cells) + " |")
     print(f"\nwall {s['wall_s']:.0f} s")
 
 

@@ -21,6 +21,7 @@ from test_speculators_conformance import assert_conforms
 
 from specdec_runtime.eagle3 import Eagle3Draft, is_eagle3_folder, vocab_maps
 from specdec_runtime.errors import UserError
+from specdistill.config import ConfigError
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
@@ -211,16 +212,23 @@ def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tm
     assert ours["same"].train.min_lr_ratio == 0 and ours["same"].train.weight_decay == 0
     assert ours["recommended"].train.min_lr_ratio == cand.train.min_lr_ratio
     assert all(o.train.max_steps == 3 and o.train.eval_every == 3 and o.draft == cand.draft for o in ours.values())
+    # --ablate: the pair's recipe with the overrides on top; a key the schema lacks fails by name
+    ablation = bench.our_recipe(cand, "same", tmp_path, 3, ["distill.teacher=online", "draft.ttt_decay=1.0"])
+    assert (ablation.distill.teacher, ablation.draft.ttt_decay) == ("online", 1.0)
+    assert ablation.train == ours["same"].train
+    with pytest.raises(ConfigError, match="ttt_dekay"):
+        bench.our_recipe(cand, "same", tmp_path, 3, ["draft.ttt_dekay=1.0"])
 
 
 @pytest.mark.slow  # ~70 s on 2 cores: four processes import torch, two of them speculators
 def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
     """`--smoke` end to end: both trainers on one dataset, both heads measured by our eval against target-only and
     against each other at T = 0 and 1, the speculators head read from the folder its trainer saved and checked
-    against its own model there."""
+    against its own model there; an --ablate head (ours with the teacher online) measured as one more arm."""
     out = tmp_path / "run"
     # One pair: its speculators head has that trainer's variants on (the other pair's flags are checked above).
-    assert bench.main(["--smoke", "--pairs", "recommended", "--out", str(out), "--json", str(out / "result.json")]) == 0
+    argv = ["--smoke", "--pairs", "recommended", "--out", str(out), "--json", str(out / "result.json")]
+    assert bench.main([*argv, "--ablate", "distill.teacher=online"]) == 0
     report = json.loads((out / "result.json").read_text())
     assert report["settings"]["smoke"] and report["data"]["train_rows"] > 0 and report["data"]["validation_rows"] > 0
     assert set(report["pairs"]) == {"recommended"}
@@ -252,6 +260,20 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
             "tokens_per_s_at_least_1.5x",
             "peak_memory_at_most_theirs",
         }
+    from specdistill.config import load_config
+
+    # The ablation: our recipe of the pair with the override, trained as its own head and measured in the same A/B.
+    ablation = report["pairs"]["recommended"]["ablation"]
+    assert ablation["overrides"] == ["distill.teacher=online"]
+    recipe = load_config(out / "children" / "recommended-ours-ablation.yaml")
+    plain = load_config(out / "children" / "recommended-ours.yaml")
+    assert recipe.distill.teacher == "online" and plain.distill.teacher == "cache" and recipe.draft == plain.draft
+    assert ablation["training"]["steps"] == report["settings"]["steps"]
+    assert ablation["training"]["head"] != report["pairs"]["recommended"]["training"]["ours"]["head"]
+    for T, e in ablation["eval"].items():
+        assert 0 <= e["ablation"]["acceptance_rate"] <= 1, T
+        for d in (e["minus_ours"], e["minus_speculators"]):
+            assert d["acceptance_rate_ci"][0] <= d["acceptance_rate"] <= d["acceptance_rate_ci"][1]
     # The recommended pair's speculators head has its trainer's variants on: our loader read them from its folder.
     head = report["pairs"]["recommended"]["training"]["speculators"]["head"]
     config = Eagle3Draft.from_pretrained(head).export_config
