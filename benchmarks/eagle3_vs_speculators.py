@@ -2,7 +2,7 @@
 trainer, and acceptance, tau and speedup of each head on the same builtin:test prompts at T = 0 and 1.
 
     make install          # puts speculators 0.9.0 (and hs-connectors, its hidden-states reader) in .venv
-    python benchmarks/eagle3_vs_speculators.py --pairs same --json runs/eagle3-vs-speculators/result.json   # ~50 min
+    python benchmarks/eagle3_vs_speculators.py --pairs same --json runs/eagle3-vs-speculators/result.json   # ~25-50 min
     python benchmarks/eagle3_vs_speculators.py --json runs/eagle3-vs-speculators/result.json    # both pairs: ~3.5 h
     python benchmarks/eagle3_vs_speculators.py --smoke --out /tmp/e3vs --json /tmp/e3vs/result.json   # ~1.5 min
 
