@@ -21,7 +21,7 @@ from test_speculators_conformance import assert_conforms
 
 from specdec_runtime.eagle3 import Eagle3Draft, is_eagle3_folder, vocab_maps
 from specdec_runtime.errors import UserError
-from specdistill.config import ConfigError
+from specdistill.config import ConfigError, load_config
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
@@ -178,7 +178,6 @@ def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tm
     candidate as it is. Both pairs share the data, vocabulary, aux layers, depth, learning rate and steps."""
     from speculators.train.config import TrainConfig
 
-    from specdistill.config import load_config
 
     cand = load_config(bench.SMOKE_CONFIG, bench.SMOKE_OVERRIDES).candidate_configs["eagle3"]
     files = {k: str(tmp_path / k) for k in ("path", "hidden_states", "d2t", "t2d")}
@@ -260,8 +259,6 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
             "tokens_per_s_at_least_1.5x",
             "peak_memory_at_most_theirs",
         }
-    from specdistill.config import load_config
-
     # The ablation: our recipe of the pair with the override, trained as its own head and measured in the same A/B.
     ablation = report["pairs"]["recommended"]["ablation"]
     assert ablation["overrides"] == ["distill.teacher=online"]
