@@ -178,7 +178,6 @@ def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tm
     candidate as it is. Both pairs share the data, vocabulary, aux layers, depth, learning rate and steps."""
     from speculators.train.config import TrainConfig
 
-
     cand = load_config(bench.SMOKE_CONFIG, bench.SMOKE_OVERRIDES).candidate_configs["eagle3"]
     files = {k: str(tmp_path / k) for k in ("path", "hidden_states", "d2t", "t2d")}
     data = {**files, "train_rows": 6, "validation_rows": 2, "draft_vocab_size": 64, "aux_layers": [1, 2, 3]}
