@@ -29,6 +29,8 @@ the config says otherwise.
   same         our candidate's recipe on both sides: AdamW (no weight decay), warm-up then cosine to 0, step loss
                weights ttt_decay^j, the head as the engines lay it out (residual before hidden_norm, no norm before
                fc, pre-norm outputs fed back, full attention); lm_head frozen and clipping at 1 (fixed in speculators).
+               And no forward and backward pass holds more than --total-seq-len tokens: a step of ours holding more
+               runs as passes within it (train.max_micro_batch_tokens: the same step, less memory).
   recommended  each trainer's own defaults for the rest: ours the config's EAGLE-3 candidate as it is (cosine to
                train.min_lr_ratio); speculators `speculators train --speculator-type eagle3` (Muon on the 2-D
                weights + AdamW with weight decay, linear schedule with 1 % warm-up, step loss weights 1, residual
@@ -228,10 +230,11 @@ def write_speculators_data(target, cand, data, out: Path) -> dict:
 # The two recipes of each pair
 
 
-def our_recipe(cand, pair: str, out: Path, steps: int, ablate: list[str] = ()):
+def our_recipe(cand, pair: str, out: Path, steps: int, ablate: list[str] = (), pass_tokens: int = 0):
     """The candidate's resolved config for one of our trainings: its recipe (`same`: as speculators runs it where
-    that is fixed there), one process, validation and a checkpoint only after the last step; `ablate`, `key=value`
-    overrides on top (--ablate: the ablation's training)."""
+    that is fixed there, and with `pass_tokens`, speculators' --total-seq-len, as the most tokens one forward and
+    backward pass holds: train.max_micro_batch_tokens), one process, validation and a checkpoint only after the
+    last step; `ablate`, `key=value` overrides on top (--ablate: the ablation's training)."""
     from specdistill.config import RootConfig, from_dict, parse_override, set_dotted, to_dict
 
     data = to_dict(cand)
@@ -251,6 +254,8 @@ def our_recipe(cand, pair: str, out: Path, steps: int, ablate: list[str] = ()):
     if pair == "same":  # speculators clips at 1 and always freezes lm_head; its cosine ends at 0
         fixed |= {"train.min_lr_ratio": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": 1.0}
         fixed |= {"draft.freeze_lm_head": True}
+        if pass_tokens:  # a step of ours holds train.batch_size sequences whatever their length; its passes do not
+            fixed |= {"train.max_micro_batch_tokens": pass_tokens}
     for key, value in fixed.items():
         set_dotted(data, key, value)
     for text in ablate:
@@ -339,7 +344,11 @@ def recipes(cand, total_seq_len: int) -> dict:
         "head": "residual after hidden_norm, RMSNorm before fc, normed outputs fed back, sliding window 2048",
     }
     return {
-        "same": {"shared": shared, "ours": same | {"loss": loss_ours}, "speculators": same | {"loss": loss_theirs}},
+        "same": {
+            "shared": shared,
+            "ours": same | {"loss": loss_ours, "passes": f"at most {total_seq_len} tokens each"},
+            "speculators": same | {"loss": loss_theirs},
+        },
         "recommended": {
             "shared": shared,
             "ours": ours | {"loss": loss_ours},
@@ -512,13 +521,13 @@ def our_code() -> str:
     return digest.hexdigest()[:16]
 
 
-def our_spec(args, cand, pair: str, tag: str, steps: int, data, ablate: list[str] = ()) -> dict:
+def our_spec(args, cand, pair: str, tag: str, steps: int, data, ablate: list[str] = (), pass_tokens: int = 0) -> dict:
     """The spec of one of our trainings: its config written under <out>/children, and what makes it reusable."""
     from specdistill.config import dump_yaml
 
     config = args.out / "children" / f"{tag}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    recipe = dump_yaml(our_recipe(cand, pair, args.out, steps, ablate))
+    recipe = dump_yaml(our_recipe(cand, pair, args.out, steps, ablate, pass_tokens))
     config.write_text(recipe)
     return {
         "tag": tag,
@@ -755,13 +764,16 @@ def main(argv: list[str] | None = None) -> int:
     spec_data = write_speculators_data(target, cand, data, args.out / "speculators-data")
     ours_tokens = our_step_tokens(data.train, cand.train.max_seq_len, cand.train.batch_size, cand.seed, steps)
     verifier = resolve_model_path(cfg.target.model)[0]
+    # speculators' packed step length: in pair `same` also the most tokens one pass of ours holds
+    tokens_per_step = statistics.fmean(ours_tokens)
+    pass_tokens = their_packing(spec_data["path"], spec_data["train_rows"], steps, tokens_per_step)[0]
 
     trainings = {}
     for p, pair in enumerate(args.pairs):
         for who in TRAINERS if p % 2 == 0 else reversed(TRAINERS):  # ABBA over the pairs
             tag = f"{pair}-{who}"
             if who == "ours":
-                spec = our_spec(args, cand, pair, tag, steps, data)
+                spec = our_spec(args, cand, pair, tag, steps, data, pass_tokens=pass_tokens)
             else:
                 save = args.out / "speculators" / pair / "checkpoints"
                 flags = their_flags(cand, pair, spec_data, verifier, save, steps)
@@ -772,14 +784,15 @@ def main(argv: list[str] | None = None) -> int:
                     "steps": steps,
                     "data_path": spec_data["path"],
                     "train_rows": spec_data["train_rows"],
-                    "tokens_per_step": statistics.fmean(ours_tokens),
+                    "tokens_per_step": tokens_per_step,
                 }
             print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({steps} steps)", flush=True)
             trainings[tag] = child(args, who, spec)
     if args.ablate:  # one more of ours: the first pair's recipe with the overrides, an arm of the same A/B
         tag = f"{args.pairs[0]}-ours-ablation"
         print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({' '.join(args.ablate)})", flush=True)
-        trainings[tag] = child(args, "ours", our_spec(args, cand, args.pairs[0], tag, steps, data, args.ablate))
+        ablated = our_spec(args, cand, args.pairs[0], tag, steps, data, args.ablate, pass_tokens)
+        trainings[tag] = child(args, "ours", ablated)
 
     probe = load_teacher_row(data.validation, cand.train.max_seq_len, limit=64)
     prompts = eval_prompts("builtin:test", tokenizer, args.prompts, trained_on=cfg.data)

@@ -39,6 +39,7 @@ resampled once for both), which is what separates two variants whose own interva
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -87,12 +88,21 @@ VARIANTS = {
         "eagle3-prompt": [*EAGLE3, "distill.teacher=online", "distill.loss_on_prompt=true"],
         "truncation": ["distill.teacher=online"],
         "truncation-prompt": ["distill.teacher=online", "distill.loss_on_prompt=true"],
+        # the head as the quickstart trains it, from the offline cache (its prompt rows stored for the second)
+        "eagle3-cache": [*EAGLE3],
+        "eagle3-cache-prompt": [*EAGLE3, "distill.loss_on_prompt=true"],
     },
 }
 
 # Variant pairs a study reports the paired difference of (the second minus the first, per seed), as `compare` would
 # but from the study's own measurement of the same prompts.
-PAIRED = {"prompt-loss": [("eagle3", "eagle3-prompt"), ("truncation", "truncation-prompt")]}
+PAIRED = {
+    "prompt-loss": [
+        ("eagle3", "eagle3-prompt"),
+        ("truncation", "truncation-prompt"),
+        ("eagle3-cache", "eagle3-cache-prompt"),
+    ]
+}
 
 
 def rate(num: float, den: float) -> float:
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from distill.data import TeacherData
     from specdec_runtime.backends import fast_model
-    from specdistill.config import load_config
+    from specdistill.config import CandidateConfig, load_config, parse_override
     from specdistill.pipeline import dist_state, distill_candidate, eval_prompts, load_target, stage_data
 
     base = [
@@ -221,7 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         "candidates=[]",
         *args.overrides,
     ]
-    data_cfg = load_config(args.config, [o for o in args.overrides])
+    variants = {k: v for k, v in VARIANTS[args.study].items() if args.only is None or k in args.only}
+    # The data stage stores what the candidates of its config read from the offline cache (an EAGLE-3 head's aux
+    # states, the prompt rows of one with distill.loss_on_prompt: `stage_data`): the study's variants are its
+    # candidates, with the config's own (they share its data folder).
+    data_cfg = load_config(args.config, args.overrides)
+    studied = [CandidateConfig(f"study-{name}", dict(map(parse_override, v))) for name, v in variants.items()]
+    data_cfg = dataclasses.replace(data_cfg, candidates=[*data_cfg.candidates, *studied])
     dist = dist_state(data_cfg.target.device)
     loaded = load_target(data_cfg, dist)
     target, tokenizer, _ = loaded
@@ -235,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
         "data": [(f, None, f"-{f:g}") for f in args.fractions],
         "samples": [(1.0, k, f"-{k}answers") for k in args.answers],
     }.get(args.study, [(1.0, None, "")])
-    variants = {k: v for k, v in VARIANTS[args.study].items() if args.only is None or k in args.only}
     for name, overrides in variants.items():
         for (fraction, answers, tag), seed in [(p, s) for p in points for s in args.seeds]:
             label = f"{name}{tag}-seed{seed}"
@@ -282,6 +297,13 @@ def pair_variants(study: str, runs: list[dict]) -> list[dict]:
             diff, ci = paired_difference(b["per_prompt"], o["per_prompt"])
             out.append({"base": base, "other": other, "seed": seed, "acceptance_rate_diff": diff, "ci": ci})
             print(f"{other} - {base} (seed {seed}): acceptance_rate {diff:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]")
+        seeds = [p["seed"] for p in out if (p["base"], p["other"]) == (base, other)]
+        if len(seeds) > 1:  # and over the seeds: each (prompt, seed) a unit, both arms resampled together
+            b = [u for seed in seeds for u in by_key[base, seed]["per_prompt"]]
+            o = [u for seed in seeds for u in by_key[other, seed]["per_prompt"]]
+            diff, ci = paired_difference(b, o)
+            out.append({"base": base, "other": other, "seed": "all", "acceptance_rate_diff": diff, "ci": ci})
+            print(f"{other} - {base} (seeds {seeds}): acceptance_rate {diff:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]")
     return out
 
 

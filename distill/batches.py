@@ -6,6 +6,7 @@
                                                     batch_size=4, grad_accum=2))
     batch = collate(rows, max_seq_len=512, pad_id=pad_id, topk=False)   # input_ids, attention_mask, labels
     batch = collate(rows, max_seq_len=512, pad_id=pad_id, topk=False, loss_on_prompt=True)   # prompt labels too
+    runs = split_by_tokens(batch, max_tokens=1024)   # backward passes of <= 1024 real tokens each
 
 The datasets themselves are written by distill/data.py; the loop that consumes these batches is train/loop.py.
 """
@@ -126,6 +127,25 @@ def collate(
     if topk:
         batch |= {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs}
     return batch
+
+
+def split_by_tokens(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """A collated micro-batch as consecutive runs of its rows holding at most `max_tokens` real tokens each (a row
+    longer than that alone), every run cut to its own longest row (`train.max_micro_batch_tokens`; 0 = the batch
+    whole). Rows are independent (padding and packing keep sequences apart) and the loss is summed over rows, so
+    the runs' backward passes add up to the batch's gradient while only one run's activations are alive."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    if max_tokens <= 0 or sum(lengths) <= max_tokens:
+        return [batch]
+    runs, start, tokens = [], 0, 0
+    for b, n in enumerate(lengths):
+        if b > start and tokens + n > max_tokens:
+            runs.append((start, b))
+            start, tokens = b, 0
+        tokens += n
+    runs.append((start, len(lengths)))
+    # every tensor of a collated batch is (B, T, ...), right-padded
+    return [{k: v[a:b, : max(lengths[a:b])] for k, v in batch.items()} for a, b in runs]
 
 
 @torch.no_grad()

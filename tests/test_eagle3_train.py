@@ -92,6 +92,22 @@ def test_a_resumed_eagle3_run_ends_where_a_straight_one_does_with_its_stored_voc
     assert_same_logs(rows, ref_rows)
 
 
+def test_a_token_bound_trains_a_packed_eagle3_head_in_several_passes_like_one(straight, tmp_path):
+    """train.max_micro_batch_tokens with packed sequences (draft.pack_sequences): every sequence of a micro-batch
+    in its own forward and backward pass, the steps of the packed micro-batches in one pass."""
+    from specdistill.pipeline import distill_candidate
+
+    root, data, ref = straight
+    out = tmp_path / "bounded"
+    settings = (*EAGLE3, *COMMON, "train.grad_accum=2", "train.max_steps=3", "train.max_micro_batch_tokens=1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
+        distill_candidate(train_config(out, *settings), "draft", data)
+    cand = out / "candidates" / "draft"
+    assert_same_logs(metric_rows(cand), metric_rows(ref))
+    assert_same_weights(final_weights(cand, 3), final_weights(ref, 3), outliers=ADAM_OUTLIERS)
+
+
 def test_eagle3_trains_from_the_offline_cache_of_aux_hidden_states(tmp_path, isolated_cache):
     """The data stage stores the aux layers an EAGLE-3 cache candidate reads (fp16, every position), and the head
     trains from them with the teacher dropped; a cache without them is refused with the fix."""
@@ -239,8 +255,11 @@ def test_two_processes_train_an_eagle3_head_like_one_process(straight):
     """DDP on 2 CPU processes (gloo), one micro-batch of 2 each, against the one-process run with 2 micro-batches of
     2: the same global batch and token normalisation, so the same steps; stopped after 2 steps and resumed."""
     root, data, single = straight
-    assert "resumed draft from" in run_two(root, data, {root / "ddp": (2, 3)})
+    # and with train.max_micro_batch_tokens=1 each process's micro-batch runs as 2 passes, only the last synced
+    runs = {root / "ddp": (2, 3), root / "ddp-bounded": (3, "train.max_micro_batch_tokens=1")}
+    assert "resumed draft from" in run_two(root, data, runs)
     assert_like_straight(root / "ddp" / "candidates" / "draft", single)
+    assert_like_straight(root / "ddp-bounded" / "candidates" / "draft", single)
 
 
 @pytest.mark.slow
@@ -252,12 +271,15 @@ def test_fsdp2_shards_an_eagle3_head_over_two_processes_like_one_process(straigh
     compute, fp32 gradient reduction and sharded fp32 weights) a resumed run ends exactly where a straight one does."""
     root, data, single = straight
     bf16 = "train.mixed_precision=bf16"
-    runs = {root / "fsdp": (2, 3), root / "fsdp-bf16-straight": (3, bf16), root / "fsdp-bf16": (2, 3, bf16)}
+    bounded = "train.max_micro_batch_tokens=1"  # 2 passes per micro-batch, the first without gradient sync
+    runs = {root / "fsdp": (2, 3), root / "fsdp-bf16-straight": (3, bf16), root / "fsdp-bf16": (2, 3, bf16),
+            root / "fsdp-bounded": (3, bounded)}  # fmt: skip
     stdout = run_two(root, data, runs, launcher=accelerate_launcher("fsdp.yaml"), prelude=FSDP_ON_CPU)
     assert stdout.count("resumed draft from") == 2
-    assert stdout.count("teacher sharded over 2 processes (FSDP2)") == 5  # accelerate ran FSDP, every time
-    fsdp, straight_bf16, resumed = (out / "candidates" / "draft" for out in runs)
+    assert stdout.count("teacher sharded over 2 processes (FSDP2)") == 6  # accelerate ran FSDP, every time
+    fsdp, straight_bf16, resumed, fsdp_bounded = (out / "candidates" / "draft" for out in runs)
     assert_like_straight(fsdp, single)
+    assert_like_straight(fsdp_bounded, single)
     best, ref = load_file(fsdp / "best" / "model.safetensors"), load_file(single / "best" / "model.safetensors")
     assert best.keys() == ref.keys() and best["lm_head.weight"].shape == (48, 64)
     assert_bf16_resumes_exactly(straight_bf16, resumed, single, torch.float32)
@@ -269,12 +291,16 @@ def test_deepspeed_zero2_trains_an_eagle3_head_and_resumes_like_one_process(stra
     checkpoints its ZeRO partition, and a stop after 2 steps resumes from it to the one-process steps."""
     root, data, single = straight
     accum = ("train.batch_size=1", "train.grad_accum=2")
-    stdout = run_two(root, data, {root / "zero2": (2, 3)}, *accum, launcher=accelerate_launcher("deepspeed_zero2.yaml"))
+    # and one micro-batch of 2 in 2 passes (train.max_micro_batch_tokens): the engine steps after the second only
+    bounded = ("train.batch_size=2", "train.grad_accum=1", "train.max_micro_batch_tokens=1")
+    runs = {root / "zero2": (2, 3), root / "zero2-bounded": (3, *bounded)}
+    stdout = run_two(root, data, runs, *accum, launcher=accelerate_launcher("deepspeed_zero2.yaml"))
     assert "resumed draft from" in stdout
     zero2 = root / "zero2" / "candidates" / "draft"
     step = zero2 / "checkpoints" / "step-000003"
     assert sorted(p.name for p in step.glob("optimizer*")) == ["optimizer-zero-rank000.pt", "optimizer-zero-rank001.pt"]
     assert_like_straight(zero2, single)
+    assert_like_straight(root / "zero2-bounded" / "candidates" / "draft", single)
 
 
 # Every forward of a bf16 head (inside DeepSpeed's engine) checks that its rope frequencies are fp32 and exact.

@@ -210,6 +210,11 @@ def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tm
     assert ours["same"].train.min_lr_ratio == 0 and ours["same"].train.weight_decay == 0
     assert ours["recommended"].train.min_lr_ratio == cand.train.min_lr_ratio
     assert all(o.train.max_steps == 3 and o.train.eval_every == 3 and o.draft == cand.draft for o in ours.values())
+    # in `same` a pass of ours holds at most speculators' packed length; `recommended` runs the config as it is
+    assert [o.train.max_micro_batch_tokens for o in ours.values()] == [0, 0]
+    bounded = {pair: bench.our_recipe(cand, pair, tmp_path, 3, pass_tokens=618) for pair in ("same", "recommended")}
+    assert bounded["same"].train.max_micro_batch_tokens == 618
+    assert bounded["recommended"].train == ours["recommended"].train
     # --ablate: the pair's recipe with the overrides on top; a key the schema lacks fails by name
     ablation = bench.our_recipe(cand, "same", tmp_path, 3, ["distill.teacher=online", "draft.ttt_decay=1.0"])
     assert (ablation.distill.teacher, ablation.draft.ttt_decay) == ("online", 1.0)

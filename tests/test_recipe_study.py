@@ -130,3 +130,36 @@ def test_the_study_pairs_its_variants_on_their_own_per_prompt_counts(study):
     swapped = study.pair_variants("prompt-loss", [{**r, "per_prompt": p} for r, p in zip(runs[:2], [other, base])])
     assert swapped[0]["ci"][1] < 0  # the broken order (base and other swapped) must read as a loss
     assert study.pair_variants("objectives", runs) == []
+
+    # Two seeds: each seed's difference, then one over both, every (prompt, seed) a unit.
+    base1, other1 = drafts(shift=0.03, seed=1)
+    runs += [{"variant": "truncation", "seed": 1, "per_prompt": base1},
+             {"variant": "truncation-prompt", "seed": 1, "per_prompt": other1}]  # fmt: skip
+    pairs = study.pair_variants("prompt-loss", runs)
+    assert [p["seed"] for p in pairs] == [0, 1, "all"]
+    assert (pairs[2]["acceptance_rate_diff"], pairs[2]["ci"]) == study.paired_difference(base + base1, other + other1)
+    assert pairs[2]["ci"][1] - pairs[2]["ci"][0] < pairs[0]["ci"][1] - pairs[0]["ci"][0]  # twice the units
+
+
+def test_the_prompt_loss_study_trains_on_cached_prompt_rows(study, tmp_path, monkeypatch):
+    """The head trained on the prompt from the offline cache (the quickstart's teacher): the study's data stage
+    stores the prompt rows and the aux states its variants read, and the variant trains from them."""
+    import json
+
+    from distill.data import AUX_HIDDEN, TOPK_START, load_teacher_data
+
+    pairs = study.VARIANTS["prompt-loss"]
+    assert pairs["eagle3-cache-prompt"] == [*pairs["eagle3-cache"], "distill.loss_on_prompt=true"]
+    assert not any("teacher=online" in o for o in pairs["eagle3-cache-prompt"])
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "prompt-loss-cache"
+    argv = ["prompt-loss", "--config", "configs/smoke.yaml", "--prompts", "2", "--max-new-tokens", "8", "--gamma", "2",
+            "--steps", "2", "--batch-size", "2", "--only", "eagle3-cache-prompt", "--out", str(out),
+            f"output_dir={out}", "distill.teacher=cache", "data.teacher_cache=true"]  # fmt: skip
+    assert study.main(argv) == 0
+    (run,) = json.loads((out / "study.json").read_text())["runs"]
+    assert run["variant"] == "eagle3-cache-prompt" and len(run["per_prompt"]) == 2
+    (folder,) = (p for p in (out / "data").glob("teacher-*") if not p.name.startswith("teacher-eval"))
+    train = load_teacher_data(folder)
+    assert TOPK_START in train.column_names and set(train[TOPK_START]) == {1}
+    assert AUX_HIDDEN in train.column_names

@@ -105,6 +105,27 @@ def test_collate_aligns_labels_and_cached_topk_with_the_predicting_position():
     assert truncated["topk_ids"][0, 2].tolist() == [8, 1]
 
 
+def test_split_by_tokens_keeps_each_run_within_the_bound_and_cuts_its_padding():
+    from distill.batches import collate, split_by_tokens
+
+    lengths = [5, 2, 3, 7, 1]
+    rows = [{"input_ids": list(range(1, n + 1)), "prompt_len": 1, "topk_ids": [[1]] * (n - 1)} for n in lengths]
+    for row in rows:
+        row["topk_logprobs"] = [[-0.5]] * len(row["topk_ids"])
+    batch = collate(rows, max_seq_len=16, pad_id=0, topk=True)
+
+    assert split_by_tokens(batch, 0) == [batch] and split_by_tokens(batch, 18) == [batch]  # off, or within
+    runs = split_by_tokens(batch, 6)
+    # consecutive rows, at most 6 real tokens each; the 7-token row alone
+    assert [r["attention_mask"].sum(1).tolist() for r in runs] == [[5], [2, 3], [7], [1]]
+    assert [r["input_ids"].shape[1] for r in runs] == [5, 3, 7, 1]  # each run as wide as its longest row
+    for key, whole in batch.items():  # the runs hold the batch's real positions, nothing else
+        parts = [r[key][b, : int(r["attention_mask"][b].sum())] for r in runs for b in range(len(r[key]))]
+        mine = [whole[b, :n] for b, n in enumerate(lengths)]
+        assert all(torch.equal(x, y) for x, y in zip(parts, mine, strict=True)), key
+    assert [r["attention_mask"].sum().item() for r in split_by_tokens(batch, 1)] == lengths  # a row at a time
+
+
 def test_config_drift_allows_more_steps_but_not_another_objective(tmp_path):
     from specdistill.config import to_dict
     from specdistill.pipeline import config_drift, training_fingerprint
@@ -127,6 +148,11 @@ def test_config_drift_allows_more_steps_but_not_another_objective(tmp_path):
     del saved["draft"]["pack_sequences"]
     assert config_drift(to_dict(a), to_dict(padded)) == config_drift(saved, to_dict(padded)) == []
     assert training_fingerprint(a) == training_fingerprint(padded)
+    # And running a micro-batch in several passes.
+    bounded = train_config(tmp_path, "train.max_micro_batch_tokens=256")
+    del saved["train"]["max_micro_batch_tokens"]
+    assert config_drift(to_dict(a), to_dict(bounded)) == config_drift(saved, to_dict(bounded)) == []
+    assert training_fingerprint(a) == training_fingerprint(bounded)
 
 
 def test_the_teacher_is_sharded_when_the_student_is_or_when_asked():
@@ -343,6 +369,35 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path, tiny):
     assert_same_weights(runs["big"], runs["accum"], outliers=ADAM_OUTLIERS)
     start = teacher.state_dict()["model.embed_tokens.weight"]
     assert not torch.allclose(runs["big"]["model.embed_tokens.weight"], start)  # it did train
+
+
+def test_a_micro_batch_token_bound_takes_the_same_step_in_several_passes(tmp_path, tiny, monkeypatch):
+    """train.max_micro_batch_tokens runs a micro-batch as several forward and backward passes: the same gradients at
+    the first step, the same logs and weights as the micro-batch in one pass."""
+    import train.loop
+    from specdistill.pipeline import distill_candidate
+
+    teacher, tokenizer, data = tiny
+    passes = []
+    split = train.loop.split_by_tokens
+    monkeypatch.setattr(train.loop, "split_by_tokens", lambda *a: passes.append(len(out := split(*a))) or out)
+    runs, rows, grads = {}, {}, {}
+    for name, bound in [("whole", 0), ("bounded", 1)]:  # 1: a sequence per pass
+        cfg = train_config(
+            tmp_path / name, "train.batch_size=4", f"train.max_micro_batch_tokens={bound}", "train.eval_every=9"
+        )
+        cands = []
+        grads[name] = first_step_gradients(
+            lambda cfg=cfg, cands=cands: cands.append(
+                distill_candidate(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
+            )
+        )
+        runs[name], rows[name] = final_weights(cands[0], 2), metric_rows(cands[0])
+    assert passes == [1, 1, 4, 4]  # 2 steps each
+    for whole, bounded in zip(grads["whole"], grads["bounded"], strict=True):
+        torch.testing.assert_close(bounded, whole, rtol=1e-4, atol=1e-6 * whole.abs().max().item())
+    assert_same_logs(rows["whole"], rows["bounded"])
+    assert_same_weights(runs["whole"], runs["bounded"], outliers=ADAM_OUTLIERS)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny):

@@ -25,6 +25,11 @@ class TrainConfig:
     """Micro-batches per optimizer step (global batch = batch_size * grad_accum * processes)."""
     max_seq_len: int = 512
     """Prompt + response tokens per sequence; longer sequences are truncated from the response end."""
+    max_micro_batch_tokens: int = 0
+    """Peak memory bound: a micro-batch holding more real (unpadded) tokens than this runs as several forward and
+    backward passes over consecutive runs of its rows, each within the bound (a longer sequence alone). The step's
+    loss and gradients are the same; only one run's activations are alive at a time. 0 = the micro-batch in one
+    pass."""
     lr: float = 5e-4
     """Peak AdamW learning rate."""
     min_lr_ratio: float = 0.1
@@ -69,6 +74,8 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ValueError("warmup_steps, weight_decay and max_grad_norm must be >= 0")
+        if self.max_micro_batch_tokens < 0:
+            raise ValueError(f"max_micro_batch_tokens must be >= 0 (0 = no bound), got {self.max_micro_batch_tokens}")
         if self.timeout_minutes <= 0:
             raise ValueError(f"timeout_minutes must be > 0, got {self.timeout_minutes}")
 

@@ -124,6 +124,21 @@ def prepare(accelerator: Accelerator, student: nn.Module, optimizer, train_cfg: 
     return prepared
 
 
+def backward(accelerator: Accelerator, model: nn.Module, loss: Tensor, *, sync: bool = True) -> None:
+    """accelerator.backward(loss), or with sync=False a backward that only adds to the local gradients, for the
+    passes of a micro-batch before its last (`train.max_micro_batch_tokens`): the micro-batch's last pass then syncs
+    (or, under `accumulate`, leaves it to the window's last micro-batch) as one pass would. Under DeepSpeed
+    accelerate's backward steps the engine when the window syncs, and its `no_sync` does nothing from ZeRO-2 on, so
+    the pass goes to the engine with the accumulation boundary unset; elsewhere `no_sync` (DDP, FSDP1, FSDP2)."""
+    if sync:
+        accelerator.backward(loss)
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+        accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=False)
+    else:
+        with accelerator.no_sync(model):
+            accelerator.backward(loss)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Teacher placement
 

@@ -57,6 +57,7 @@ from distill.batches import (
     load_training_split,
     micro_batch_indices,
     on_policy_rows,
+    split_by_tokens,
 )
 from distill.data import TOPK_START, TeacherData
 from distill.eagle3 import VOCAB_FILE, Eagle3Training, collate_eagle3
@@ -360,12 +361,16 @@ class DistillRecipe:
                 step_loss = torch.zeros((), device=self.device)
                 for batch in micro_batches:
                     with acc.accumulate(self.student):
-                        loss = self._loss_step(batch, num_items)
-                        # The loss is already a share of the global mean: undo accelerate's division by grad_accum
-                        # and DDP's gradient averaging over processes, so the shares add up. (DeepSpeed divides and
-                        # averages the same way, and steps inside the last backward.)
-                        acc.backward(loss * train_cfg.grad_accum * self.world)
-                        step_loss += loss.detach()
+                        # One pass, or with train.max_micro_batch_tokens several that only the last one syncs.
+                        runs = split_by_tokens(batch, train_cfg.max_micro_batch_tokens)
+                        for i, run in enumerate(runs):
+                            loss = self._loss_step(run, num_items)
+                            # The loss is already a share of the global mean: undo accelerate's division by
+                            # grad_accum and DDP's gradient averaging over processes, so the shares add up.
+                            # (DeepSpeed divides and averages the same way, and steps inside the last backward.)
+                            scaled = loss * train_cfg.grad_accum * self.world
+                            distributed.backward(acc, self.student, scaled, sync=i == len(runs) - 1)
+                            step_loss += loss.detach()
                 # Under DeepSpeed this only reports the norm: it clipped (gradient_clipping) and stepped in backward,
                 # so a non-finite step is already applied in memory below; nothing of it reaches a checkpoint.
                 grad_norm = acc.clip_grad_norm_(self.student.parameters(), train_cfg.max_grad_norm or float("inf"))
