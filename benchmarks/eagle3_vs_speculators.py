@@ -546,8 +546,10 @@ def child(args, name: str, spec: dict) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     spec_path, result = folder / f"{spec['tag']}.spec.json", folder / f"{spec['tag']}.json"
     # a training finished with this very spec (an interrupted run, or one re-run with other --pairs) is reused:
-    # trainings take most of the hour, and a result is only written after its last step
-    if result.is_file() and spec_path.is_file() and json.loads(spec_path.read_text()) == json.loads(json.dumps(spec)):
+    # trainings take most of the hour, and a result is only written after its last step. Its tokens/s are those of
+    # the machine it ran on: --retrain trains again, so that both trainers' speeds come from one host.
+    same = spec_path.is_file() and json.loads(spec_path.read_text()) == json.loads(json.dumps(spec))
+    if same and result.is_file() and not args.retrain:
         print(f"  reusing the finished {spec['tag']} training ({result})", flush=True)
         return json.loads(result.read_text())
     spec_path.write_text(json.dumps(spec))
@@ -728,6 +730,11 @@ def parse_args(argv: list[str] | None):
         "--ablate distill.teacher=online), measured as one more arm of the same A/B",
     )
     ap.add_argument("--smoke", action="store_true", help="random:tiny-llama, a few prompts and steps (the test)")
+    ap.add_argument(
+        "--retrain",
+        action="store_true",
+        help="train every arm again, even one finished with the same spec (its speed was measured on that machine)",
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--child", choices=TRAINERS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)

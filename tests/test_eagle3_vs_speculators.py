@@ -283,8 +283,8 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
 
 def test_a_finished_training_is_reused_only_for_the_very_same_spec(bench, tmp_path):
     """`child` reuses a training whose result exists for an identical spec (a run interrupted after it, or re-run
-    with other --pairs); a spec that differs in anything trains again, which here fails (a config that does not
-    exist) instead of returning the old result."""
+    with other --pairs) unless --retrain; a spec that differs in anything trains again, which here fails (a config
+    that does not exist) instead of returning the old result."""
     import argparse
 
     folder = tmp_path / "children"
@@ -292,8 +292,12 @@ def test_a_finished_training_is_reused_only_for_the_very_same_spec(bench, tmp_pa
     spec = {"tag": "same-ours", "config": str(tmp_path / "missing.yaml"), "name": "same-ours", "steps": 3, "x": 0.5}
     (folder / "same-ours.spec.json").write_text(json.dumps(spec))
     (folder / "same-ours.json").write_text(json.dumps({"step_s": [1.0], "head": "h"}))
-    args = argparse.Namespace(out=tmp_path)
+    args = argparse.Namespace(out=tmp_path, retrain=False)
     assert bench.child(args, "ours", dict(spec)) == {"step_s": [1.0], "head": "h"}
+    # --retrain: the same spec trains again (its speed is of this machine)
+    with pytest.raises(SystemExit, match="same-ours training failed"):
+        bench.child(argparse.Namespace(out=tmp_path, retrain=True), "ours", dict(spec))
+    (folder / "same-ours.json").write_text(json.dumps({"step_s": [1.0], "head": "h"}))
     with pytest.raises(SystemExit, match="same-ours training failed"):
         bench.child(args, "ours", {**spec, "steps": 4})
     assert not (folder / "same-ours.json").exists(), "a stale result must not survive a training with another spec"
