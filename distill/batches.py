@@ -129,21 +129,37 @@ def collate(
     return batch
 
 
-def split_by_tokens(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """A collated micro-batch as consecutive runs of its rows holding at most `max_tokens` real tokens each (a row
-    longer than that alone), every run cut to its own longest row (`train.max_micro_batch_tokens`; 0 = the batch
-    whole). Rows are independent (padding and packing keep sequences apart) and the loss is summed over rows, so
-    the runs' backward passes add up to the batch's gradient while only one run's activations are alive."""
-    lengths = batch["attention_mask"].sum(1).tolist()
-    if max_tokens <= 0 or sum(lengths) <= max_tokens:
-        return [batch]
+def token_runs(lengths: list[int], max_tokens: int, passes: int = 0) -> list[tuple[int, int]]:
+    """Consecutive runs [a, b) of rows holding at most `max_tokens` of `lengths` each (a row longer than that alone;
+    max_tokens 0: one run), then, while fewer than `passes` (at most the rows), the run with the most tokens among
+    those of two rows or more split in two where its tokens reach half."""
     runs, start, tokens = [], 0, 0
     for b, n in enumerate(lengths):
-        if b > start and tokens + n > max_tokens:
+        if max_tokens > 0 and b > start and tokens + n > max_tokens:
             runs.append((start, b))
             start, tokens = b, 0
         tokens += n
     runs.append((start, len(lengths)))
+    while len(runs) < min(passes, len(lengths)):
+        a, b = max((r for r in runs if r[1] - r[0] > 1), key=lambda r: sum(lengths[r[0] : r[1]]))
+        half, cut = sum(lengths[a:b]) / 2, a + 1
+        while cut < b - 1 and sum(lengths[a : cut + 1]) <= half:
+            cut += 1
+        i = runs.index((a, b))
+        runs[i : i + 1] = [(a, cut), (cut, b)]
+    return runs
+
+
+def split_by_tokens(batch: dict[str, torch.Tensor], max_tokens: int, passes: int = 0) -> list[dict[str, torch.Tensor]]:
+    """A collated micro-batch as `token_runs` of its rows, every run cut to its own longest row
+    (`train.max_micro_batch_tokens`; 0 = the batch whole). Rows are independent (padding and packing keep sequences
+    apart) and the loss is summed over rows, so the runs' backward passes add up to the batch's gradient while only
+    one run's activations are alive. `passes`: at least that many runs, so that every process of a step runs as many
+    forwards as the one with the most (DDP's buffer broadcast and FSDP's gathers are collectives in each)."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    runs = token_runs(lengths, max_tokens, passes)
+    if len(runs) == 1:
+        return [batch]
     # every tensor of a collated batch is (B, T, ...), right-padded
     return [{k: v[a:b, : max(lengths[a:b])] for k, v in batch.items()} for a, b in runs]
 

@@ -255,11 +255,31 @@ def test_two_processes_train_an_eagle3_head_like_one_process(straight):
     """DDP on 2 CPU processes (gloo), one micro-batch of 2 each, against the one-process run with 2 micro-batches of
     2: the same global batch and token normalisation, so the same steps; stopped after 2 steps and resumed."""
     root, data, single = straight
-    # and with train.max_micro_batch_tokens=1 each process's micro-batch runs as 2 passes, only the last synced
-    runs = {root / "ddp": (2, 3), root / "ddp-bounded": (3, "train.max_micro_batch_tokens=1")}
+    # And with train.max_micro_batch_tokens: a bound one process's micro-batch fits in and the other's does not, so
+    # both run as many passes as the latter (DDP broadcasts the head's buffers in every forward), only the last synced.
+    bound = uneven_bound(data.train, steps=3)
+    runs = {root / "ddp": (2, 3), root / "ddp-bounded": (3, f"train.max_micro_batch_tokens={bound}")}
     assert "resumed draft from" in run_two(root, data, runs)
     assert_like_straight(root / "ddp" / "candidates" / "draft", single)
     assert_like_straight(root / "ddp-bounded" / "candidates" / "draft", single)
+
+
+def uneven_bound(train, *, steps: int, seed: int = 0, max_seq_len: int = 64) -> int:
+    """A token bound under which, at some step of 2 processes with a micro-batch of 2 each, one process's
+    micro-batch is one pass and the other's two."""
+    from distill.batches import epoch_order, micro_batch_indices, token_runs
+    from distill.data import load_teacher_data
+
+    lengths = [min(len(ids), max_seq_len) for ids in load_teacher_data(train)["input_ids"]]
+    order = epoch_order(len(lengths), seed, 0)
+    for step in range(steps):
+        rows = [micro_batch_indices(order, step, 0, rank=r, world=2, batch_size=2, grad_accum=1) for r in (0, 1)]
+        sums = sorted(sum(lengths[i] for i in mine) for mine in rows)
+        if sums[0] < sums[1]:
+            counts = [len(token_runs([lengths[i] for i in mine], sums[0])) for mine in rows]
+            assert sorted(counts) == [1, 2]
+            return sums[0]
+    raise AssertionError("no step whose two micro-batches differ in tokens")
 
 
 @pytest.mark.slow

@@ -126,6 +126,20 @@ def test_split_by_tokens_keeps_each_run_within_the_bound_and_cuts_its_padding():
     assert [r["attention_mask"].sum().item() for r in split_by_tokens(batch, 1)] == lengths  # a row at a time
 
 
+def test_token_runs_split_further_to_the_passes_another_process_needs():
+    """Every process of a step runs as many passes as the one that needs the most: runs are split again, the run
+    with the most tokens first, where its tokens reach half, never into an empty run."""
+    from distill.batches import token_runs
+
+    lengths = [5, 2, 3, 7, 1]
+    assert token_runs(lengths, 6) == [(0, 1), (1, 3), (3, 4), (4, 5)]
+    assert token_runs(lengths, 0) == [(0, 5)]
+    assert token_runs(lengths, 0, passes=2) == [(0, 2), (2, 5)]  # 7 | 11 tokens: the cut nearest half of 18
+    assert token_runs(lengths, 6, passes=5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert token_runs(lengths, 6, passes=9) == token_runs(lengths, 6, passes=5)  # at most a row each
+    assert token_runs(lengths, 100, passes=3) == [(0, 2), (2, 3), (3, 5)]
+
+
 def test_config_drift_allows_more_steps_but_not_another_objective(tmp_path):
     from specdistill.config import to_dict
     from specdistill.pipeline import config_drift, training_fingerprint
