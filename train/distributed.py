@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from distill.batches import token_runs
 from distill.students import merge_student
 from specdec_runtime.errors import UserError
 from specdec_runtime.loading import resolve_dtype
@@ -122,6 +123,16 @@ def prepare(accelerator: Accelerator, student: nn.Module, optimizer, train_cfg: 
     prepared = accelerator.prepare(student, optimizer)
     check_grad_accum(accelerator, train_cfg)
     return prepared
+
+
+def passes(accelerator: Accelerator, batch: dict[str, Tensor], max_tokens: int) -> int:
+    """With a token bound (train.max_micro_batch_tokens) on several processes: the most passes (`token_runs`) any
+    process's batch needs, which every process then runs (`split_by_tokens(passes=)`), since each forward may hold a
+    collective (DDP's buffer broadcast, FSDP's gathers). 0 otherwise."""
+    if not max_tokens or accelerator.num_processes == 1:
+        return 0
+    mine = len(token_runs(batch["attention_mask"].sum(1).tolist(), max_tokens))
+    return int(accelerator.gather(torch.tensor([mine], device=accelerator.device)).max())
 
 
 def backward(accelerator: Accelerator, model: nn.Module, loss: Tensor, *, sync: bool = True) -> None:

@@ -58,7 +58,6 @@ from distill.batches import (
     micro_batch_indices,
     on_policy_rows,
     split_by_tokens,
-    token_runs,
 )
 from distill.data import TOPK_START, TeacherData
 from distill.eagle3 import VOCAB_FILE, Eagle3Training, collate_eagle3
@@ -363,7 +362,8 @@ class DistillRecipe:
                 for batch in micro_batches:
                     with acc.accumulate(self.student):
                         # One pass, or with train.max_micro_batch_tokens several that only the last one syncs.
-                        runs = split_by_tokens(batch, train_cfg.max_micro_batch_tokens, self._passes(batch))
+                        bound = train_cfg.max_micro_batch_tokens
+                        runs = split_by_tokens(batch, bound, distributed.passes(acc, batch, bound))
                         for i, run in enumerate(runs):
                             loss = self._loss_step(run, num_items)
                             # The loss is already a share of the global mean: undo accelerate's division by
@@ -439,16 +439,6 @@ class DistillRecipe:
             loss_on_prompt=self.distill_cfg.loss_on_prompt,
         )
         return {k: v.to(self.device) for k, v in batch.items()}
-
-    def _passes(self, batch: dict[str, Tensor]) -> int:
-        """With train.max_micro_batch_tokens on several processes: the most passes any process's micro-batch needs,
-        which every process then runs (each forward may hold a collective: DDP's buffer broadcast, FSDP's gathers).
-        0 otherwise."""
-        bound = self.train_cfg.max_micro_batch_tokens
-        if not bound or self.world == 1:
-            return 0
-        mine = len(token_runs(batch["attention_mask"].sum(1).tolist(), bound))
-        return int(self.accelerator.gather(torch.tensor([mine], device=self.device)).max())
 
     def _loss_step(self, batch: dict[str, Tensor], num_items: Tensor) -> Tensor:
         """This micro-batch's share of the step loss: its token-summed objective over the step's global token count.

@@ -17,9 +17,10 @@ import torch
 from accelerate import Accelerator
 from torch import Tensor
 
-from distill.batches import IGNORE, collate, fetch_rows
+from distill.batches import IGNORE, collate, fetch_rows, split_by_tokens
 from distill.config import DistillConfig
 from distill.objectives import batch_inputs, teacher_targets, validation_sums
+from train import distributed
 from train.config import TrainConfig
 
 
@@ -89,8 +90,11 @@ def validate(
         rows = fetch_rows(validation_ds, [i if i is not None else 0 for i in chunk])
         rows = [row if i is not None else _no_response(row) for i, row in zip(chunk, rows)]
         batch = {k: v.to(accelerator.device) for k, v in to_batch(rows).items()}
-        row = batch_sums(student, teacher, batch, distill_cfg)
-        sums = row if sums is None else sums + row
+        # in passes of at most train.max_micro_batch_tokens, as in training: the sums add over rows
+        bound = train_cfg.max_micro_batch_tokens
+        for run in split_by_tokens(batch, bound, distributed.passes(accelerator, batch, bound)):
+            row = batch_sums(student, teacher, run, distill_cfg)
+            sums = row if sums is None else sums + row
     student.train()
     return metrics(accelerator.reduce(sums, "sum").tolist(), distill_cfg)
 
