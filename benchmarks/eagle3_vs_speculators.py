@@ -53,9 +53,12 @@ attention needs compiled kernels), --loss-implementation eager (the fused losses
 (as ours: no loader processes next to the two cores' training).
 
 On the 2-core CPU (docs/benchmarks.md) the `same` pair trains in ~12 min and measures in ~21; speculators' own
-recipe (`recommended`) ran 27 s a step there, ~2.3 h for 300 steps. A training whose result exists for the very
-same spec under <out>/children is reused (a run stopped after it, or re-run with other --pairs); ours' spec holds
-its recipe and a digest of our training code (`our_code`), so a change to either trains it again.
+recipe (`recommended`) ran 27 s a step there, ~2.3 h for 300 steps: 23 s of it is one step of torch.optim.Muon,
+whose Newton-Schulz iterations run in bf16, which that CPU has no matrix units for (`--optimizer-step HEAD` times
+it). A training whose result exists for the very same spec under <out>/children is reused (a run stopped after it,
+or re-run with other --pairs; on the same machine also later: the `recommended` pair's trainings can be one run,
+stopped once they are done, and its eval the next); ours' spec holds its recipe and a digest of our training code
+(`our_code`), so a change to either trains it again.
 
 Measurement. Each training runs in a process of its own, the trainers alternating from one pair to the next (ours,
 speculators | speculators, ours). tokens/s: the tokens of the sequences each step trains on (prompt and response,
@@ -578,6 +581,42 @@ def training_summary(run: dict, warmup_steps: int) -> dict:
     }
 
 
+def optimizer_step_seconds(head: Path, reps: int = 3) -> dict:
+    """One optimizer step of speculators' recommended optimizer on the weights of a head its trainer saved (`head`:
+    the folder with model.safetensors), against AdamW on the same weights: what makes the `recommended` pair slow on
+    a CPU. The weights go to Muon or AdamW by speculators' own rule (`split_named_params_for_muon`), Muon built as
+    `build_optimizers` builds it (torch.optim.Muon, its default Newton-Schulz steps and lr adjustment); frozen in
+    training (embeddings, lm_head, the vocabulary maps) -> not optimised. Fastest of `reps` steps, random gradients."""
+    from safetensors.torch import load_file
+    from speculators.train.optimizers import split_named_params_for_muon
+
+    module = torch.nn.Module()
+    for name, tensor in load_file(str(Path(head) / "model.safetensors")).items():
+        if tensor.is_floating_point() and not any(k in name for k in ("embed_tokens", "lm_head")):
+            module.register_parameter(name.replace(".", "_"), torch.nn.Parameter(tensor.float()))
+    muon, _ = split_named_params_for_muon(module)
+    params = [p for _, p in muon]
+
+    def fastest(opt) -> float:
+        times = []
+        for _ in range(reps):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    muon_s = fastest(torch.optim.Muon(params, lr=1e-3, adjust_lr_fn="match_rms_adamw"))
+    adamw_s = fastest(torch.optim.AdamW(params, lr=1e-3))
+    return {
+        "muon_weights": {n: list(p.shape) for n, p in muon},
+        "muon_step_s": muon_s,
+        "adamw_step_s": adamw_s,
+        "threads": torch.get_num_threads(),
+    }
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Our loader against speculators' own model
 
@@ -736,6 +775,13 @@ def parse_args(argv: list[str] | None):
         help="train every arm again, even one finished with the same spec (its speed was measured on that machine)",
     )
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument(
+        "--optimizer-step",
+        type=Path,
+        metavar="HEAD",
+        help="only time one step of speculators' recommended optimizer (Muon) against AdamW on the weights of the "
+        "head its trainer saved in HEAD (why the recommended pair is slow on a CPU), and exit",
+    )
     ap.add_argument("--child", choices=TRAINERS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -752,6 +798,9 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.optimizer_step:
+        print(json.dumps(optimizer_step_seconds(args.optimizer_step), indent=1))
+        return 0
     if args.child:
         run = {"ours": run_ours, "speculators": run_speculators}[args.child]
         args.result.write_text(json.dumps(run(json.loads(args.spec.read_text()))))

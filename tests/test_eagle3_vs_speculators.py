@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,6 +280,15 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
     head = report["pairs"]["recommended"]["training"]["speculators"]["head"]
     config = Eagle3Draft.from_pretrained(head).export_config
     assert config["norm_before_fc"] and config["norm_output"] and config["norm_before_residual"]
+    # Its optimizer timed on that head: Muon takes the trained 2-D weights by speculators' rule (fc, the projections),
+    # never a norm, the embeddings or the frozen lm_head.
+    times = bench.optimizer_step_seconds(Path(head), reps=1)
+    names = set(times["muon_weights"])
+    assert "fc_weight" in names and any("q_proj" in n for n in names) and any("down_proj" in n for n in names)
+    assert not any("norm" in n or "embed" in n or "lm_head" in n for n in names), names
+    assert all(len(shape) == 2 for shape in times["muon_weights"].values())
+    assert times["muon_step_s"] > 0 and times["adamw_step_s"] > 0
+    assert bench.main(["--optimizer-step", head]) == 0
 
 
 def test_a_finished_training_is_reused_only_for_the_very_same_spec(bench, tmp_path):
