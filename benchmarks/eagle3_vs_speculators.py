@@ -53,7 +53,7 @@ attention needs compiled kernels), --loss-implementation eager (the fused losses
 (as ours: no loader processes next to the two cores' training).
 
 On the 2-core CPU (docs/benchmarks.md) the `same` pair trains in ~12 min and measures in ~21; speculators' own
-recipe (`recommended`) ran 27 s a step there, ~2.3 h for 300 steps: 23 s of it is one step of torch.optim.Muon,
+recipe (`recommended`) ran 27 s a step there, ~2.3 h for 300 steps: 23-26 s of it is one step of torch.optim.Muon,
 whose Newton-Schulz iterations run in bf16, which that CPU has no matrix units for (`--optimizer-step HEAD` times
 it). A training whose result exists for the very same spec under <out>/children is reused (a run stopped after it,
 or re-run with other --pairs; on the same machine also later: the `recommended` pair's trainings can be one run,
