@@ -235,7 +235,16 @@ class TTTCache:
         return self.cache.append(k, v)
 
 
-def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int, packing: Packing | None = None, *, head=True):
+def ttt_logits(
+    student,
+    aux: Tensor,
+    embeds: Tensor,
+    depth: int,
+    packing: Packing | None = None,
+    *,
+    head=True,
+    rows: list[Tensor] | None = None,
+):
     """Yield (step j, draft logits (B, T, Vd), or with head=False lm_head's input (B, T, H)) of the training-time-
     test unroll: aux (B, T, 3H) are the teacher's states of the batch's tokens, embeds (B, T, H) their embeddings.
     Row t of step j sits at position t + j, reads token t + 1 + j and step j - 1's pre-norm output of row t, and
@@ -245,15 +254,52 @@ def ttt_logits(student, aux: Tensor, embeds: Tensor, depth: int, packing: Packin
     With `packing` the rows hold several sequences: positions count from each sequence's start, and the step-0
     keys of other sequences are masked. A row whose token t + 1 + j lies in the next sequence computes garbage
     that no valid row reads (it only sees keys of rows <= t of its own sequence and its own), and its loss is
-    masked (`Packing.same`)."""
+    masked (`Packing.same`).
+
+    With `rows` (`trained_rows`: per step j the sorted (R_j,) rows it computes, each step's a subset of the one
+    before) step j yields (B, R_j, ...) for those rows only, the same values as the full unroll's: row t of step j
+    reads only row t of the steps before and the step-0 keys, so step 0 still computes every row's key and value
+    and nothing else of the rows no later step reads."""
     B, T, _ = embeds.shape
     position = torch.arange(T, device=embeds.device).expand(B, T) if packing is None else packing.position
     segments = None if packing is None else packing.segments
     hidden, cache = aux, TTTCache()
     for j in range(depth):
-        mask = ttt_mask(T, j, embeds.device, segments)
-        logits, hidden = student(hidden, shift(embeds, 1 + j, 0.0), position + j, cache, mask, head=head)
+        inputs = hidden, shift(embeds, 1 + j, 0.0), position + j
+        if rows is None:
+            out = student(*inputs, cache, ttt_mask(T, j, embeds.device, segments), head=head)
+        elif j == 0:
+            out = student(*inputs, cache, ttt_rows_mask(T, rows[:1], segments), head=head, rows=rows[0])
+        else:  # the step's rows of the inputs (hidden holds the previous step's rows)
+            kept = (torch.searchsorted(rows[j - 1], rows[j]), rows[j], rows[j])
+            inputs = tuple(x[:, r] for x, r in zip(inputs, kept))
+            out = student(*inputs, cache, ttt_rows_mask(T, rows[: j + 1], segments), head=head)
+        logits, hidden = out
         yield j, logits
+
+
+def ttt_rows_mask(T: int, rows: list[Tensor], segments: Tensor | None = None) -> Tensor:
+    """`ttt_mask` of step j = len(rows) - 1 for the rows it computes: (R_j, T + R_1 + ... + R_j) bool over keys
+    [step 0 (every row) | step 1 (R_1 rows) | ... | step j (R_j rows)], or (B, 1, R_j, ...) with `segments`. With
+    every row at every step it is `ttt_mask(T, j)`."""
+    r = rows[-1]
+    causal = r[:, None] >= torch.arange(T, device=r.device)  # (R, T)
+    own = [r[:, None] == earlier[None, :] for earlier in rows[1:]]  # (R, R_i): the row's own key at step i
+    if segments is None:
+        return torch.cat([causal, *own], dim=1)
+    B = segments.shape[0]
+    causal = causal & (segments[:, r, None] == segments[:, None, :])  # (B, R, T)
+    return torch.cat([causal, *(m.expand(B, *m.shape) for m in own)], dim=2)[:, None]
+
+
+def trained_rows(masks: list[Tensor]) -> list[Tensor]:
+    """Per unrolled step j, the sorted (R_j,) rows some step k >= j trains (`masks[k]` (B, T) bool, any of the B):
+    the rows step j must compute, since step k reads row t of every step before it and nothing else of them."""
+    rows, needed = [], torch.zeros_like(masks[0][0])
+    for mask in reversed(masks):
+        needed = needed | mask.any(0)
+        rows.append(needed.nonzero()[:, 0])
+    return rows[::-1]
 
 
 @dataclass
@@ -294,6 +340,7 @@ def unrolled_steps(
     num_items,
     *,
     pack: bool = False,
+    trained_only: bool = False,
     lm_head_weight: Tensor | None = None,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
 ):
@@ -301,6 +348,11 @@ def unrolled_steps(
     terms) for j < draft.ttt_depth, from `teacher_view`'s output `view`. Step j's rows sit at positions t + j, read
     the embedding of token t + 1 + j and learn the teacher's distribution at position t + 1 + j. With `pack` the
     batch's sequences are first concatenated into one row (`Packing`), and the logits are (1, N, Vd).
+
+    With `trained_only` each step computes only the rows its own loss or a later step's reads (`trained_rows`;
+    the same loss and gradients, up to float rounding), and its logits are those rows' (B, R_j, Vd): with the
+    loss on response tokens only, most rows of the unroll are prompt rows that nothing reads (a sliding-window
+    head computes every row: its window counts keys by their index).
 
     With `lm_head_weight` (the head's own weight; not under FSDP, which shards it outside the forward) the loss
     applies the head to the valid rows only, chunk by chunk with the gradient in the forward (`distill_loss`'s
@@ -325,11 +377,16 @@ def unrolled_steps(
     embeds = nn.functional.embedding(input_ids, embed_weight).to(dtype)  # (B, T, H), frozen
     fused = lm_head_weight is not None
     T = labels.shape[1]
-    for j, out in ttt_logits(student, aux.to(dtype), embeds, depth, packing, head=not fused):
-        n = 1 + j
-        mask = shift(valid & in_vocab & label_in, n, False)
-        if packing is not None:
-            mask = mask & packing.same(n)  # token t + n of a packed row may be the next sequence's
+    masks = [shift(valid & in_vocab & label_in, 1 + j, False) for j in range(depth)]
+    if packing is not None:  # token t + n of a packed row may be the next sequence's
+        masks = [mask & packing.same(1 + j) for j, mask in enumerate(masks)]
+    rows = trained_rows(masks) if trained_only and plain.midlayer.self_attn.sliding_window is None else None
+    labels_d = [shift(labels_d, 1 + j, 0) for j in range(depth)]
+    teacher_j = [teacher_d[:, 1 + j : 1 + j + T] for j in range(depth)]  # shift(.., 1 + j, LOG_ZERO), views
+    if rows is not None:
+        masks, labels_d = [m[:, r] for m, r in zip(masks, rows)], [x[:, r] for x, r in zip(labels_d, rows)]
+        teacher_j = [teacher_d[:, 1 + j + r] for j, r in enumerate(rows)]
+    for j, out in ttt_logits(student, aux.to(dtype), embeds, depth, packing, head=not fused, rows=rows):
         student_out = (
             dict(student_logits=None, student_hidden=out, lm_head_weight=lm_head_weight)
             if fused
@@ -337,9 +394,9 @@ def unrolled_steps(
         )
         with autocast() if fused else nullcontext():
             loss, terms = distill_loss(
-                teacher=TeacherTargets(logits=teacher_d[:, n : n + T]),  # shift(.., n, LOG_ZERO), a view
-                labels=shift(labels_d, n, 0),
-                mask=mask,
+                teacher=TeacherTargets(logits=teacher_j[j]),
+                labels=labels_d[j],
+                mask=masks[j],
                 objective=distill_cfg.objective,
                 kd_temperature=distill_cfg.kd_temperature,
                 beta=distill_cfg.beta,
@@ -371,7 +428,7 @@ def eagle3_loss(
     view = teacher_view(teacher, batch, aux_layers, aux_index)
     steps = unrolled_steps(
         student, embed_weight, batch, view, draft_cfg, distill_cfg, num_items,
-        pack=draft_cfg.pack_sequences, lm_head_weight=lm_head_weight, autocast=autocast,
+        pack=draft_cfg.pack_sequences, trained_only=True, lm_head_weight=lm_head_weight, autocast=autocast,
     )  # fmt: skip
     return sum(draft_cfg.ttt_decay**j * loss for j, _, loss, _ in steps)
 

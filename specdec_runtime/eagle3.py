@@ -45,7 +45,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    rotate_half,
+)
 
 from specdec_runtime.errors import UserError
 
@@ -341,13 +347,30 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * D, H, bias=False)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Eagle3Cache, mask: Tensor | None, positions: Tensor
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        cache: Eagle3Cache,
+        mask: Tensor | None,
+        positions: Tensor,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        B, T, _ = x.shape  # x: (B, T, 2H), positions (B, T)
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        """x (B, T, 2H), positions (B, T) -> (B, T, H); with `rows` (R,) indices into T: every row's key and value
+        is cached, only those rows query (`positions`, `mask`: theirs, (B, R) and (R, S) / (B, 1, R, S)) ->
+        (B, R, H)."""
+        B, T, _ = x.shape
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *rope)
+        cos, sin = rope
+        if rows is None:
+            q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        else:
+            # apply_rotary_pos_emb's rotation, the queries with their rows' angles
+            T, positions = len(rows), positions[:, rows]
+            q = self.q_proj(x[:, rows]).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, Hq, R, D)
+            q = q * cos[:, rows].unsqueeze(1) + rotate_half(q) * sin[:, rows].unsqueeze(1)
+            k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
         k, v = cache.append(k, v)  # (B, KV, S, D)
         if mask is None:
             mask = causal_mask(T, k.shape[2], x.device)
@@ -370,7 +393,7 @@ class Eagle3Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))  # (B, T, H)
 
 
 class Eagle3Layer(nn.Module):
@@ -388,12 +411,23 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = norm_before_residual
 
     def forward(
-        self, hidden: Tensor, embeds: Tensor, rope, cache: Eagle3Cache, mask: Tensor | None, positions: Tensor
+        self,
+        hidden: Tensor,
+        embeds: Tensor,
+        rope,
+        cache: Eagle3Cache,
+        mask: Tensor | None,
+        positions: Tensor,
+        rows: Tensor | None = None,
     ) -> Tensor:
+        """-> (B, T, H) pre-norm outputs, or (B, R, H) of `rows` only (`Eagle3Attention`)."""
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B, T, 2H)
-        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, rope, cache, mask, positions)
-        return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H), pre-norm
+        residual = normed if self.norm_before_residual else hidden
+        if rows is not None:
+            residual = residual[:, rows]
+        h = residual + self.self_attn(x, rope, cache, mask, positions, rows)
+        return h + self.mlp(self.post_attention_layernorm(h))  # (B, T or R, H), pre-norm
 
 
 class NormedFc(nn.Module):
@@ -466,6 +500,7 @@ class Eagle3Draft(nn.Module):
         attention_mask: Tensor | None = None,
         last_only: bool = False,
         head: bool = True,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """hidden (B, T, 3H) target aux states or (B, T, H) own pre-norm outputs, embeds (B, T, H) of the next
         tokens, position_ids (B, T), attention_mask (B, 1, T, S) bool over cache + rows (None = causal)
@@ -473,12 +508,15 @@ class Eagle3Draft(nn.Module):
         (B, T, H): the layer's pre-norm outputs, or with `norm_output` their normed ones). `head=False` returns
         lm_head's input (B, T, H) in place of the logits, for a loss that applies the head itself.
 
+        `rows` (R,) indices into T (training, `distill.eagle3`): every row's key and value is cached, but only these
+        rows go on through the layer: the outputs are (B, R, ...), `attention_mask` is theirs, (B, 1, R, S).
+
         `cache` is anything with `append(k, v) -> all keys, values` (`Eagle3Cache`, or the engine's slot cache)."""
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)  # the target's 3H features; later steps' own outputs are H wide already
         rope = self.rotary(embeds, position_ids)  # cos, sin (B, T, D)
         cache = cache if cache is not None else Eagle3Cache()
-        prenorm = self.midlayer(hidden, embeds, rope, cache, attention_mask, position_ids)
+        prenorm = self.midlayer(hidden, embeds, rope, cache, attention_mask, position_ids, rows)
         lm_head = self.lm_head if head else _identity
         if self.norm_output:
             normed = self.norm(prenorm)

@@ -285,12 +285,82 @@ def test_packed_sequences_train_the_head_exactly_as_padded_ones(monkeypatch, cac
         for name, grad in padded_grads.items():
             torch.testing.assert_close(grads[name], grad, msg=f"{name} pack={pack} fused={fused}")
 
-    real_mask = e3.ttt_mask
-    monkeypatch.setattr(e3, "ttt_mask", lambda T, step, device, segments=None: real_mask(T, step, device))
+    real_mask = e3.ttt_rows_mask  # what the training loss masks with (`trained_only`)
+    monkeypatch.setattr(e3, "ttt_rows_mask", lambda T, rows, segments=None: real_mask(T, rows))
     assert not torch.allclose(loss_and_grads(True)[0], padded, rtol=1e-3)  # attends the previous sequences
-    monkeypatch.setattr(e3, "ttt_mask", real_mask)
+    monkeypatch.setattr(e3, "ttt_rows_mask", real_mask)
     monkeypatch.setattr(e3.Packing, "same", lambda self, n: torch.ones_like(self.segments, dtype=torch.bool))
     assert not torch.allclose(loss_and_grads(True)[0], padded, rtol=1e-3)  # learns across the boundaries
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_the_unroll_computes_only_the_rows_a_loss_reads_with_the_same_loss_and_gradients(monkeypatch, cache):
+    """With the loss on response tokens only, step j computes the rows some step >= j trains (and step 0 every
+    row's key and value): the full unroll's loss and gradients, padded or packed, lm_head in the forward or in the
+    loss, online or from the cache. A row mask that lets a row see another row's key of a later step must not."""
+    import distill.eagle3 as e3
+    from distill.config import DistillConfig
+
+    shapes = ((9, 12), (3, 7), (11, 13))  # long prompts, short answers: most rows are read by no loss
+    target, student, aux_layers, rows = eagle3_setup(prompt_topk=False, shapes=shapes)
+    embed_weight = e3.frozen_embedding(target, "cpu")
+    batch = e3.collate_eagle3(rows, max_seq_len=64, pad_id=0, topk=cache)
+    teacher, index = (None, torch.arange(batch["aux_hidden"].shape[-1])) if cache else (target, None)
+    computed = []
+    real_rows = e3.trained_rows
+    monkeypatch.setattr(e3, "trained_rows", lambda masks: computed.append(real_rows(masks)) or computed[-1])
+
+    def loss_and_grads(pack: bool, fused: bool, trained_only: bool):
+        draft_cfg = DraftConfig(init="eagle3", ttt_depth=3, pack_sequences=pack)
+        student.zero_grad()
+        view = e3.teacher_view(teacher, batch, aux_layers, index)
+        steps = e3.unrolled_steps(
+            student, embed_weight, batch, view, draft_cfg, DistillConfig(), 7, pack=pack, trained_only=trained_only,
+            lm_head_weight=student.lm_head.weight if fused else None,
+        )  # fmt: skip
+        loss = sum(draft_cfg.ttt_decay**j * loss for j, _, loss, _ in steps)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+
+    for pack, fused in [(False, False), (True, False), (False, True), (True, True)]:
+        full, full_grads = loss_and_grads(pack, fused, trained_only=False)
+        loss, grads = loss_and_grads(pack, fused, trained_only=True)
+        torch.testing.assert_close(loss, full, msg=f"pack={pack} fused={fused}")
+        assert grads.keys() == full_grads.keys() and len(grads) > 5
+        for name, grad in full_grads.items():
+            torch.testing.assert_close(grads[name], grad, msg=f"{name} pack={pack} fused={fused}")
+    # the packed batch's 32 rows: a sequence of length n with a prompt of P trains labels P - 1 .. n - 2 (row t's
+    # label is token t + 1), which step k reads at rows P - 2 - k .. n - 3 - k: step j computes rows P - 4 .. n - 3 - j
+    packed = computed[-1]
+    starts = [0, 12, 19]
+    want = [[s + t for s, (P, n) in zip(starts, shapes) for t in range(max(P - 4, 0), n - 2 - j)] for j in range(3)]
+    assert [r.tolist() for r in packed] == want and [len(r) for r in packed] == [14, 11, 8]
+    assert all(set(later.tolist()) <= set(earlier.tolist()) for earlier, later in zip(packed, packed[1:]))
+
+    batch["labels"][:] = -100  # a micro-batch no loss reads (a pass of prompts only): nothing to compute, and
+    for trained_only in (False, True):  # every parameter still gets its zero gradient (DDP waits for each one)
+        loss, grads = loss_and_grads(True, True, trained_only)
+        assert loss == 0 and len(grads) == len(full_grads) and all(not g.any() for g in grads.values())
+    assert [len(r) for r in computed[-1]] == [0, 0, 0]
+    batch = e3.collate_eagle3(rows, max_seq_len=64, pad_id=0, topk=cache)
+
+    real_mask = e3.ttt_rows_mask
+    leaky = lambda T, rows, segments=None: torch.ones_like(real_mask(T, rows, segments))  # noqa: E731
+    monkeypatch.setattr(e3, "ttt_rows_mask", leaky)
+    assert not torch.allclose(loss_and_grads(True, True, trained_only=True)[0], full, rtol=1e-3)
+
+
+def test_ttt_rows_mask_of_every_row_is_ttt_mask():
+    from distill.eagle3 import ttt_rows_mask
+
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2]])
+    every = [torch.arange(7)] * 3
+    for step in range(3):
+        assert torch.equal(ttt_rows_mask(7, every[: step + 1]), ttt_mask(7, step, torch.device("cpu")))
+        assert torch.equal(ttt_rows_mask(7, every[: step + 1], segments), ttt_mask(7, step, "cpu", segments))
+    some = [torch.tensor([1, 2, 4, 6]), torch.tensor([2, 4, 6]), torch.tensor([4, 6])]
+    keys = [*range(7), 7 + 2, 7 + 4, 7 + 6, 14 + 4, 14 + 6]  # step 0's, then step 1's and 2's of the rows kept
+    assert torch.equal(ttt_rows_mask(7, some), ttt_mask(7, 2, torch.device("cpu"))[[4, 6]][:, keys])
 
 
 def test_packing_refuses_a_head_with_a_sliding_window():
