@@ -25,7 +25,8 @@ train.batch_size sequences; speculators packs sequences up to --total-seq-len to
 length (at least the longest sequence) whose batches over the run hold at least our batches' mean tokens: the same
 tokens per step on average (`their_packing`). Ours concatenates its batch's sequences into one row
 (`draft.pack_sequences`, the default since this comparison found padding to cost 1.74x the real positions) unless
-the config says otherwise.
+the config says otherwise, and its unroll computes only the rows a loss reads (`distill.eagle3.trained_rows`: with
+the loss on response tokens, about 30 % of them; speculators computes every row).
   same         our candidate's recipe on both sides: AdamW (no weight decay), warm-up then cosine to 0, step loss
                weights ttt_decay^j, the head as the engines lay it out (residual before hidden_norm, no norm before
                fc, pre-norm outputs fed back, full attention); lm_head frozen and clipping at 1 (fixed in speculators).
