@@ -292,6 +292,13 @@ def ttt_rows_mask(T: int, rows: list[Tensor], segments: Tensor | None = None) ->
     return torch.cat([causal, *(m.expand(B, *m.shape) for m in own)], dim=2)[:, None]
 
 
+def rows_can_be_skipped(head: Eagle3Draft) -> bool:
+    """Whether `ttt_logits(rows=...)` computes what the full unroll does for `head`: not with a sliding window (it
+    compares positions with key indices, which the restricted steps renumber) nor a rotary embedding that rescales
+    with the largest position of a call (dynamic, longrope: a restricted step's largest position is smaller)."""
+    return head.midlayer.self_attn.sliding_window is None and head.rotary.rope_type not in ("dynamic", "longrope")
+
+
 def trained_rows(masks: list[Tensor]) -> list[Tensor]:
     """Per unrolled step j, the sorted (R_j,) rows some step k >= j trains (`masks[k]` (B, T) bool, any of the B):
     the rows step j must compute, since step k reads row t of every step before it and nothing else of them."""
@@ -350,9 +357,8 @@ def unrolled_steps(
     batch's sequences are first concatenated into one row (`Packing`), and the logits are (1, N, Vd).
 
     With `trained_only` each step computes only the rows its own loss or a later step's reads (`trained_rows`;
-    the same loss and gradients, up to float rounding), and its logits are those rows' (B, R_j, Vd): with the
-    loss on response tokens only, most rows of the unroll are prompt rows that nothing reads (a sliding-window
-    head computes every row: its window counts keys by their index).
+    the same loss and gradients, up to float rounding) and the logits of the others are zeros: with the loss on
+    response tokens only, most rows of the unroll are prompt rows that nothing reads (`rows_can_be_skipped`).
 
     With `lm_head_weight` (the head's own weight; not under FSDP, which shards it outside the forward) the loss
     applies the head to the valid rows only, chunk by chunk with the gradient in the forward (`distill_loss`'s
@@ -380,13 +386,11 @@ def unrolled_steps(
     masks = [shift(valid & in_vocab & label_in, 1 + j, False) for j in range(depth)]
     if packing is not None:  # token t + n of a packed row may be the next sequence's
         masks = [mask & packing.same(1 + j) for j, mask in enumerate(masks)]
-    rows = trained_rows(masks) if trained_only and plain.midlayer.self_attn.sliding_window is None else None
-    labels_d = [shift(labels_d, 1 + j, 0) for j in range(depth)]
-    teacher_j = [teacher_d[:, 1 + j : 1 + j + T] for j in range(depth)]  # shift(.., 1 + j, LOG_ZERO), views
-    if rows is not None:
-        masks, labels_d = [m[:, r] for m, r in zip(masks, rows)], [x[:, r] for x, r in zip(labels_d, rows)]
-        teacher_j = [teacher_d[:, 1 + j + r] for j, r in enumerate(rows)]
+    rows = trained_rows(masks) if trained_only and rows_can_be_skipped(plain) else None
     for j, out in ttt_logits(student, aux.to(dtype), embeds, depth, packing, head=not fused, rows=rows):
+        n = 1 + j
+        if rows is not None:  # back in their places: the targets stay views, rows no loss reads hold zeros
+            out = out.new_zeros(*labels.shape, out.shape[-1]).index_copy(1, rows[j], out)  # (B, T, H or Vd)
         student_out = (
             dict(student_logits=None, student_hidden=out, lm_head_weight=lm_head_weight)
             if fused
@@ -394,8 +398,8 @@ def unrolled_steps(
         )
         with autocast() if fused else nullcontext():
             loss, terms = distill_loss(
-                teacher=TeacherTargets(logits=teacher_j[j]),
-                labels=labels_d[j],
+                teacher=TeacherTargets(logits=teacher_d[:, n : n + T]),  # shift(.., n, LOG_ZERO), a view
+                labels=shift(labels_d, n, 0),
                 mask=masks[j],
                 objective=distill_cfg.objective,
                 kd_temperature=distill_cfg.kd_temperature,

@@ -356,9 +356,10 @@ class Eagle3Attention(nn.Module):
         rows: Tensor | None = None,
     ) -> Tensor:
         """x (B, T, 2H), positions (B, T) -> (B, T, H); with `rows` (R,) indices into T: every row's key and value
-        is cached, only those rows query (`positions`, `mask`: theirs, (B, R) and (R, S) / (B, 1, R, S)) ->
-        (B, R, H)."""
+        is cached, only those rows query (`mask`: theirs, (R, S) or (B, 1, R, S)) -> (B, R, H)."""
         B, T, _ = x.shape
+        if rows is not None and mask is None:
+            raise ValueError("query rows need their attention mask: the default causal one assumes the last rows")
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope

@@ -338,16 +338,33 @@ def test_the_unroll_computes_only_the_rows_a_loss_reads_with_the_same_loss_and_g
     assert all(set(later.tolist()) <= set(earlier.tolist()) for earlier, later in zip(packed, packed[1:]))
 
     batch["labels"][:] = -100  # a micro-batch no loss reads (a pass of prompts only): nothing to compute, and
-    for trained_only in (False, True):  # every parameter still gets its zero gradient (DDP waits for each one)
-        loss, grads = loss_and_grads(True, True, trained_only)
+    for pack, fused in [(False, False), (True, False), (False, True), (True, True)]:  # every parameter still gets
+        loss, grads = loss_and_grads(pack, fused, trained_only=True)  # its zero gradient (DDP waits for each one)
         assert loss == 0 and len(grads) == len(full_grads) and all(not g.any() for g in grads.values())
-    assert [len(r) for r in computed[-1]] == [0, 0, 0]
+        assert [len(r) for r in computed[-1]] == [0, 0, 0]
     batch = e3.collate_eagle3(rows, max_seq_len=64, pad_id=0, topk=cache)
 
     real_mask = e3.ttt_rows_mask
-    leaky = lambda T, rows, segments=None: torch.ones_like(real_mask(T, rows, segments))  # noqa: E731
+
+    def leaky(T, rows, segments=None):  # the step-0 keys as they are, every key of the later steps visible
+        mask = real_mask(T, rows, segments).clone()
+        mask[..., T:] = True
+        return mask
+
     monkeypatch.setattr(e3, "ttt_rows_mask", leaky)
     assert not torch.allclose(loss_and_grads(True, True, trained_only=True)[0], full, rtol=1e-3)
+
+
+def test_heads_whose_attention_reads_positions_of_the_whole_call_compute_every_row(target):
+    """A sliding window compares positions with key indices, a dynamic rotary embedding rescales with a call's
+    largest position: with rows skipped, neither would see what the full unroll sees."""
+    import distill.eagle3 as e3
+
+    assert e3.rows_can_be_skipped(head(target))
+    windowed, dynamic = head(target), head(target)
+    windowed.midlayer.self_attn.sliding_window = 4
+    dynamic.rotary.rope_type = "dynamic"
+    assert not e3.rows_can_be_skipped(windowed) and not e3.rows_can_be_skipped(dynamic)
 
 
 def test_ttt_rows_mask_of_every_row_is_ttt_mask():
