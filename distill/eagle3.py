@@ -432,7 +432,8 @@ def eagle3_loss(
     view = teacher_view(teacher, batch, aux_layers, aux_index)
     steps = unrolled_steps(
         student, embed_weight, batch, view, draft_cfg, distill_cfg, num_items,
-        pack=draft_cfg.pack_sequences, trained_only=True, lm_head_weight=lm_head_weight, autocast=autocast,
+        pack=draft_cfg.pack_sequences, trained_only=draft_cfg.skip_untrained_rows,
+        lm_head_weight=lm_head_weight, autocast=autocast,
     )  # fmt: skip
     return sum(draft_cfg.ttt_decay**j * loss for j, _, loss, _ in steps)
 

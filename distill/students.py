@@ -79,6 +79,10 @@ class DraftConfig:
     positions counted from 0 in each; as speculators trains) instead of each padded to the longest: the step then
     computes on real tokens only. The attention over the row grows with its length squared, so when every sequence
     is near train.max_seq_len packing saves nothing and false is cheaper (docs/benchmarks.md)."""
+    skip_untrained_rows: bool = True
+    """eagle3: each unrolled training-time-test step computes only the rows a loss reads (step 0 every row's key and
+    value): the same loss and gradients as every row (tests/test_eagle3.py), most of the compute saved when only
+    response tokens are trained. false computes every row (to measure what skipping buys, docs/benchmarks.md)."""
     freeze_lm_head: bool = False
     """eagle3: keep lm_head at the target's rows of the draft vocabulary (as speculators does); false trains it
     (as EAGLE does)."""

@@ -48,17 +48,20 @@ RESUMABLE_CHANGES = {
     "train.timeout_minutes",
     "distill.chunked_head",
     "draft.pack_sequences",
+    "draft.skip_untrained_rows",
     "train.max_micro_batch_tokens",
 }
 # Of those, the keys that change how a run executes and not what it trains (where the teacher's weights live, the
-# process-group timeout, how the loss is chunked, whether an EAGLE-3 batch is packed or padded, in how many passes a
-# micro-batch runs: the same loss and gradients, so the same weights up to rounding). They stay out of the DONE
-# fingerprint, so a finished candidate is not trained again when only they change.
+# process-group timeout, how the loss is chunked, whether an EAGLE-3 batch is packed or padded and its unroll skips
+# the rows no loss reads, in how many passes a micro-batch runs: the same loss and gradients, so the same weights up
+# to rounding). They stay out of the DONE fingerprint, so a finished candidate is not trained again when only they
+# change.
 EXECUTION_ONLY = {
     "train.shard_teacher",
     "train.timeout_minutes",
     "distill.chunked_head",
     "draft.pack_sequences",
+    "draft.skip_untrained_rows",
     "train.max_micro_batch_tokens",
 }
 

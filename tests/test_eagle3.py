@@ -329,6 +329,11 @@ def test_the_unroll_computes_only_the_rows_a_loss_reads_with_the_same_loss_and_g
         assert grads.keys() == full_grads.keys() and len(grads) > 5
         for name, grad in full_grads.items():
             torch.testing.assert_close(grads[name], grad, msg=f"{name} pack={pack} fused={fused}")
+    for skip in (False, True):  # the training loss follows draft.skip_untrained_rows
+        before = len(computed)
+        cfg = DraftConfig(init="eagle3", ttt_depth=3, skip_untrained_rows=skip)
+        e3.eagle3_loss(student, embed_weight, teacher, batch, 7, cfg, DistillConfig(), index, aux_layers=aux_layers)
+        assert len(computed) == before + skip
     # the packed batch's 32 rows: a sequence of length n with a prompt of P trains labels P - 1 .. n - 2 (row t's
     # label is token t + 1), which step k reads at rows P - 2 - k .. n - 3 - k: step j computes rows P - 4 .. n - 3 - j
     packed = computed[-1]

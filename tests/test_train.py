@@ -162,6 +162,10 @@ def test_config_drift_allows_more_steps_but_not_another_objective(tmp_path):
     del saved["draft"]["pack_sequences"]
     assert config_drift(to_dict(a), to_dict(padded)) == config_drift(saved, to_dict(padded)) == []
     assert training_fingerprint(a) == training_fingerprint(padded)
+    every_row = train_config(tmp_path, "draft.skip_untrained_rows=false")  # the same for the unroll's rows
+    del saved["draft"]["skip_untrained_rows"]
+    assert config_drift(to_dict(a), to_dict(every_row)) == config_drift(saved, to_dict(every_row)) == []
+    assert training_fingerprint(a) == training_fingerprint(every_row)
     # And running a micro-batch in several passes.
     bounded = train_config(tmp_path, "train.max_micro_batch_tokens=256")
     del saved["train"]["max_micro_batch_tokens"]
