@@ -29,13 +29,15 @@ the config says otherwise, and its unroll computes only the rows a loss reads (`
 the loss on response tokens, about 30 % of them; speculators computes every row).
   same         our candidate's recipe on both sides: AdamW (no weight decay), warm-up then cosine to 0, step loss
                weights ttt_decay^j, the head as the engines lay it out (residual before hidden_norm, no norm before
-               fc, pre-norm outputs fed back, full attention); lm_head frozen and clipping at 1 (fixed in speculators).
-               And no forward and backward pass holds more than --total-seq-len tokens: a step of ours holding more
-               runs as passes within it (train.max_micro_batch_tokens: the same step, less memory).
+               fc, pre-norm outputs fed back, full attention); lm_head frozen and clipping at 1 (fixed in speculators);
+               the loss on response tokens (its loss mask; distill.loss_on_prompt false). And no forward and
+               backward pass holds more than --total-seq-len tokens: a step of ours holding more runs as passes
+               within it (train.max_micro_batch_tokens: the same step, less memory).
   recommended  each trainer's own defaults for the rest: ours the config's EAGLE-3 candidate as it is (cosine to
-               train.min_lr_ratio); speculators `speculators train --speculator-type eagle3` (Muon on the 2-D
-               weights + AdamW with weight decay, linear schedule with 1 % warm-up, step loss weights 1, residual
-               after hidden_norm, an RMSNorm before fc, normed outputs fed back, a 2048-token sliding window).
+               train.min_lr_ratio; the quickstart's head also trains prompt tokens); speculators `speculators train
+               --speculator-type eagle3` (Muon on the 2-D weights + AdamW with weight decay, linear schedule with
+               1 % warm-up, step loss weights 1, residual after hidden_norm, an RMSNorm before fc, normed outputs
+               fed back, a 2048-token sliding window).
 By design and in both pairs, the teacher signal differs: ours learns the target's top-k (data.teacher_cache_top_k)
 cached log-probs restricted to the draft vocabulary, masking positions whose target argmax lies outside it;
 speculators the target's exact logits over the draft vocabulary (verifier_lm_head(verifier_norm(last hidden
@@ -258,6 +260,7 @@ def our_recipe(cand, pair: str, out: Path, steps: int, ablate: list[str] = (), p
     if pair == "same":  # speculators clips at 1 and always freezes lm_head; its cosine ends at 0
         fixed |= {"train.min_lr_ratio": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": 1.0}
         fixed |= {"draft.freeze_lm_head": True}
+        fixed |= {"distill.loss_on_prompt": False}  # its loss mask: the response tokens (the quickstart's head: all)
         if pass_tokens:  # a step of ours holds train.batch_size sequences whatever their length; its passes do not
             fixed |= {"train.max_micro_batch_tokens": pass_tokens}
     for key, value in fixed.items():
@@ -324,7 +327,8 @@ def recipes(cand, total_seq_len: int) -> dict:
         "precision": "fp32",
     }
     loss_ours = f"{cand.distill.objective} over the top-{cand.data.teacher_cache_top_k} cache, draft vocabulary"
-    loss_theirs = "kl_div over the target's exact logits, draft vocabulary"
+    loss_theirs = "kl_div over the target's exact logits, draft vocabulary, response (loss-mask) positions"
+    positions = "prompt and response positions" if cand.distill.loss_on_prompt else "response positions"
     engines = "residual before hidden_norm, no norm before fc, pre-norm outputs fed back, full attention"
     same = {
         "optimizer": "AdamW, no weight decay, clipping at 1",
@@ -350,12 +354,12 @@ def recipes(cand, total_seq_len: int) -> dict:
     return {
         "same": {
             "shared": shared,
-            "ours": same | {"loss": loss_ours, "passes": f"at most {total_seq_len} tokens each"},
+            "ours": same | {"loss": f"{loss_ours}, response positions", "passes": f"<= {total_seq_len} tokens each"},
             "speculators": same | {"loss": loss_theirs},
         },
         "recommended": {
             "shared": shared,
-            "ours": ours | {"loss": loss_ours},
+            "ours": ours | {"loss": f"{loss_ours}, {positions}"},
             "speculators": theirs | {"loss": loss_theirs},
         },
     }

@@ -11,6 +11,7 @@ fed the same target aux states and tokens: the training-time-test logits of ever
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -210,6 +211,10 @@ def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tm
     ours = {pair: bench.our_recipe(cand, pair, tmp_path, 3) for pair in ("same", "recommended")}
     assert ours["same"].train.min_lr_ratio == 0 and ours["same"].train.weight_decay == 0
     assert ours["recommended"].train.min_lr_ratio == cand.train.min_lr_ratio
+    # `same` trains speculators' loss mask, the response tokens, whatever the candidate says; `recommended` its own
+    on_prompt = dataclasses.replace(cand, distill=dataclasses.replace(cand.distill, loss_on_prompt=True))
+    assert not bench.our_recipe(on_prompt, "same", tmp_path, 3).distill.loss_on_prompt
+    assert bench.our_recipe(on_prompt, "recommended", tmp_path, 3).distill.loss_on_prompt
     assert all(o.train.max_steps == 3 and o.train.eval_every == 3 and o.draft == cand.draft for o in ours.values())
     # in `same` a pass of ours holds at most speculators' packed length; `recommended` runs the config as it is
     assert [o.train.max_micro_batch_tokens for o in ours.values()] == [0, 0]
