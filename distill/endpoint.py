@@ -362,7 +362,9 @@ class _Job:
             notes.append("seed: two requests with the same seed got different responses, so rows are not reproducible")
         elif a == c and len(a) >= PROBE_TOKENS // 2:
             notes.append(
-                "sampling: requests with different seeds got the same response; the server may decode greedily"
+                "sampling: requests with different seeds got the same response; the server may decode greedily "
+                "(transformers serve --continuous-batching samples only when the model's generation_config.json "
+                "sets do_sample: true)"
             )
         return notes
 

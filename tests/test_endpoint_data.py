@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +68,16 @@ def ascii_model(folder: Path) -> Path:
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
+
+
+def sampling_copy(folder: Path, out: Path) -> Path:
+    """The model with `do_sample: true` in its generation config: transformers serve >= 5.25 starts continuous
+    batching with the model's generation config, and a request's do_sample does not switch sampling on (5.24 took it
+    from the first request)."""
+    shutil.copytree(folder, out)
+    config = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps(config | {"do_sample": True}))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +254,11 @@ def test_a_server_killed_mid_run_is_one_error_and_a_rerun_writes_every_row_once(
     differ, so the rows stored before the kill must come out of the rerun unchanged."""
     require_serving()
     folder, teacher, tokenizer = target
+    folder = sampling_copy(folder, tmp_path / "sampling-model")
     monkeypatch.setattr(endpoint, "FLUSH_ROWS", 2)
+    # Longer probes overlap in the server's batch, where its one global generator makes the seed unreproducible;
+    # 16-token ones could each finish before the next arrives and so reproduce by chance.
+    monkeypatch.setattr(endpoint, "PROBE_TOKENS", 64)
     out = tmp_path / "data"
     first = Server(folder, tmp_path / "serve1.log")
     cfg = make_cfg(tmp_path, first.url, first.model, n_train=8, num_samples=2, temperature=1.0, max_new_tokens=24)
