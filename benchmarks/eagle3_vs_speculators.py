@@ -80,6 +80,12 @@ Ablation (--ablate KEY=VALUE, repeatable): one more training of ours, the first 
 (e.g. `distill.teacher=online`: the target's exact logits in training instead of the top-k cache, the signal
 speculators learns from), measured as one more arm of the same A/B; the JSON's `ablation` holds its training and,
 per temperature, its paired differences against ours (what the overrides change) and against speculators.
+
+Training seed (--training-seed N): both trainers' seed (ours' config `seed`, speculators' --seed: the head's
+initialisation and the order of the batches); by default the config's. The eval's intervals hold the prompts' and
+the sampling's noise, not the trainings'; the same command with another seed and its own --out (its trainings must
+not replace the first seed's) is a second draw of both trainings, whose difference shows how far the training
+itself moves the comparison.
 """
 
 from __future__ import annotations
@@ -236,11 +242,14 @@ def write_speculators_data(target, cand, data, out: Path) -> dict:
 # The two recipes of each pair
 
 
-def our_recipe(cand, pair: str, out: Path, steps: int, ablate: list[str] = (), pass_tokens: int = 0):
+def our_recipe(
+    cand, pair: str, out: Path, steps: int, ablate: list[str] = (), pass_tokens: int = 0, seed: int | None = None
+):
     """The candidate's resolved config for one of our trainings: its recipe (`same`: as speculators runs it where
     that is fixed there, and with `pass_tokens`, speculators' --total-seq-len, as the most tokens one forward and
     backward pass holds: train.max_micro_batch_tokens), one process, validation and a checkpoint only after the
-    last step; `ablate`, `key=value` overrides on top (--ablate: the ablation's training)."""
+    last step; `ablate`, `key=value` overrides on top (--ablate: the ablation's training); `seed` (--training-seed)
+    replaces the candidate's seed: the head's initialisation and the order of its batches."""
     from specdistill.config import RootConfig, from_dict, parse_override, set_dotted, to_dict
 
     data = to_dict(cand)
@@ -257,6 +266,8 @@ def our_recipe(cand, pair: str, out: Path, steps: int, ablate: list[str] = (), p
         "train.keep_last": 1,
         "train.resume": False,
     }
+    if seed is not None:
+        fixed["seed"] = seed
     if pair == "same":  # speculators clips at 1 and always freezes lm_head; its cosine ends at 0
         fixed |= {"train.min_lr_ratio": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": 1.0}
         fixed |= {"draft.freeze_lm_head": True}
@@ -270,7 +281,7 @@ def our_recipe(cand, pair: str, out: Path, steps: int, ablate: list[str] = (), p
     return from_dict(RootConfig, data)
 
 
-def their_flags(cand, pair: str, spec_data: dict, verifier: str, save: Path, steps: int) -> list:
+def their_flags(cand, pair: str, spec_data: dict, verifier: str, save: Path, steps: int, seed: int = SEED) -> list:
     """`speculators train` flags (less --total-seq-len and --epochs, which the child sets from its sampler,
     `their_packing`): the shared settings, and for `same` our recipe's; `recommended` leaves the rest at speculators'
     defaults."""
@@ -295,7 +306,7 @@ def their_flags(cand, pair: str, spec_data: dict, verifier: str, save: Path, ste
         "--draft-attn-impl", "sdpa",
         "--loss-implementation", "eager",
         "--on-missing", "raise",
-        "--seed", str(SEED),
+        "--seed", str(seed),  # its initialisation and its sampler's order
         "--log-freq", "1",
         "--no-resume-from-checkpoint",
     ]  # fmt: skip
@@ -449,7 +460,7 @@ def cpu_trainer(trainer) -> type:
     return CpuTrainer
 
 
-def their_packing(data_path: str, rows: int, steps: int, tokens_per_step: float) -> tuple[int, int]:
+def their_packing(data_path: str, rows: int, steps: int, tokens_per_step: float, seed: int = SEED) -> tuple[int, int]:
     """(--total-seq-len, --epochs) for speculators' packing sampler over the training rows: the smallest length (at
     least the longest row, which it would cut) whose first `steps` batches hold `tokens_per_step` tokens on average
     (our batches' mean), and the epochs those batches span. No more epochs are asked: its loop stops at --max-steps
@@ -460,7 +471,7 @@ def their_packing(data_path: str, rows: int, steps: int, tokens_per_step: float)
     lengths = datasets.load_from_disk(data_path).with_format(None)["seq_len"][:rows]
     S = max(lengths)
     while True:
-        sampler = MultipackDistributedBatchSamplerV2(S, lengths, num_replicas=1, rank=0, seed=SEED)
+        sampler = MultipackDistributedBatchSamplerV2(S, lengths, num_replicas=1, rank=0, seed=seed)
         batches, epochs = [], 0
         while len(batches) < steps:
             sampler.set_epoch(epochs)
@@ -498,7 +509,9 @@ def run_speculators(spec: dict) -> dict:
             super().train_epoch(epoch, **kwargs)
             self.epochs[-1]["peak"] = peak_rss_mb()
 
-    S, epochs = their_packing(spec["data_path"], spec["train_rows"], spec["steps"], spec["tokens_per_step"])
+    S, epochs = their_packing(
+        spec["data_path"], spec["train_rows"], spec["steps"], spec["tokens_per_step"], spec.get("seed", SEED)
+    )
     cli.Trainer = Measured
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")  # no accelerator to pin for
@@ -535,7 +548,7 @@ def our_spec(args, cand, pair: str, tag: str, steps: int, data, ablate: list[str
 
     config = args.out / "children" / f"{tag}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    recipe = dump_yaml(our_recipe(cand, pair, args.out, steps, ablate, pass_tokens))
+    recipe = dump_yaml(our_recipe(cand, pair, args.out, steps, ablate, pass_tokens, args.training_seed))
     config.write_text(recipe)
     return {
         "tag": tag,
@@ -779,6 +792,14 @@ def parse_args(argv: list[str] | None):
         action="store_true",
         help="train every arm again, even one finished with the same spec (its speed was measured on that machine)",
     )
+    ap.add_argument(
+        "--training-seed",
+        type=int,
+        default=None,
+        help="seed of every training: ours' config `seed`, speculators' --seed (its initialisation and sampler); "
+        "default the config's, for both. Another seed, in its own --out, measures how much the trainings "
+        "themselves move the comparison, which the eval's intervals (over prompts) do not hold",
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument(
         "--optimizer-step",
@@ -817,17 +838,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     torch.manual_seed(SEED)
     cfg, cand = head_recipe(args)
+    seed = cand.seed if args.training_seed is None else args.training_seed
     steps = args.steps or cand.train.max_steps
     dist = dist_state("cpu")
     loaded = load_target(cfg, dist)
     target, tokenizer, _ = loaded
     data = stage_data(cfg, dist, loaded)  # cached when `specdistill data CONFIG` wrote it
     spec_data = write_speculators_data(target, cand, data, args.out / "speculators-data")
-    ours_tokens = our_step_tokens(data.train, cand.train.max_seq_len, cand.train.batch_size, cand.seed, steps)
+    ours_tokens = our_step_tokens(data.train, cand.train.max_seq_len, cand.train.batch_size, seed, steps)
     verifier = resolve_model_path(cfg.target.model)[0]
     # speculators' packed step length: in pair `same` also the most tokens one pass of ours holds
     tokens_per_step = statistics.fmean(ours_tokens)
-    pass_tokens = their_packing(spec_data["path"], spec_data["train_rows"], steps, tokens_per_step)[0]
+    pass_tokens = their_packing(spec_data["path"], spec_data["train_rows"], steps, tokens_per_step, seed)[0]
 
     trainings = {}
     for p, pair in enumerate(args.pairs):
@@ -837,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = our_spec(args, cand, pair, tag, steps, data, pass_tokens=pass_tokens)
             else:
                 save = args.out / "speculators" / pair / "checkpoints"
-                flags = their_flags(cand, pair, spec_data, verifier, save, steps)
+                flags = their_flags(cand, pair, spec_data, verifier, save, steps, seed)
                 spec = {
                     "tag": tag,
                     "flags": flags,
@@ -846,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
                     "data_path": spec_data["path"],
                     "train_rows": spec_data["train_rows"],
                     "tokens_per_step": tokens_per_step,
+                    "seed": seed,
                 }
             print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({steps} steps)", flush=True)
             trainings[tag] = child(args, who, spec)
@@ -899,6 +922,7 @@ def main(argv: list[str] | None = None) -> int:
         "candidate": args.candidate,
         "target": cfg.target.model,
         "steps": steps,
+        "training_seed": seed,
         "prompts": len(prompts),
         "prompt_source": "builtin:test",
         "gamma": args.gamma,

@@ -282,7 +282,9 @@ class HeadCache:
         nxt = self.tokens[:B].gather(1, (r + 1).clamp(max=S - 1))
         embeds = self.embed(nxt).to(hidden.dtype)
         logits, pre = self.draft(hidden, embeds, r, SlotCache(self.k, self.v, slots), mask, last_only=True)
-        self.pre[row_ids, slots] = pre
+        # A bf16 `cpu_eagle3` copy keeps its norms fp32, so a state that passed one (norm_before_residual,
+        # norm_output) comes out fp32; the cache holds the head's compute dtype.
+        self.pre[row_ids, slots] = pre.to(self.pre.dtype)
         fed.copy_(torch.where(fed == done, fed + (live & from_target).sum(1), fed))
         done.add_(new)
         return to_target_logits(logits.float(), self.draft.d2t, self.draft.target_vocab)
@@ -415,6 +417,7 @@ class Eagle3State:
         mask = (rel < 0)[:, None] | ((rel >= 0) & (rel < W + T))[:, None] & seen_slot  # (B, T, S)
         embeds = c.embed(tokens).to(hidden.dtype)
         logits, pre = self.model(hidden, embeds, positions - 1, SlotCache(c.k, c.v, slots), mask[:, None])
+        pre = pre.to(c.pre.dtype)  # as `HeadCache.advance` stores it
         self.seg_pre = torch.cat([self.seg_pre, pre], 1) if W else pre
         self.seg_tokens = torch.cat([self.seg_tokens, tokens], 1) if W else tokens
         self.segment = W + T

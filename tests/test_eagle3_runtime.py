@@ -23,6 +23,7 @@ from specdec_runtime.ab import capture_graphs
 from specdec_runtime.backends import fast_model
 from specdec_runtime.bench import format_bench_table, run_bench
 from specdec_runtime.cpu import FusedLinear, compile_steps, cpu_eagle3, cpu_model, draft_dtype
+from specdec_runtime.cpu_tune import bf16_native
 from specdec_runtime.eagle3 import (
     Eagle3Cache,
     Eagle3Draft,
@@ -283,6 +284,28 @@ def test_the_cpu_fast_head_computes_what_the_head_computes(pair):
             torch.testing.assert_close(logits.float(), want_logits, atol=tol, rtol=tol)
             torch.testing.assert_close(pre.float(), want_pre, atol=tol, rtol=tol)
     assert any(isinstance(m, torch.nn.Linear) for m in draft.modules()) and not draft.cpu_fast
+
+
+def test_a_bf16_fast_head_with_speculators_norms_keeps_the_target_output(pair):
+    """Found measuring speculators' `recommended` head on an AVX-512 BF16 host, where a draft takes bf16 weights: a
+    bf16 `cpu_eagle3` copy keeps its norms fp32, so with speculators' variants (a norm on the residual and on the
+    state fed back) the head computed fp32 states that its bf16 cache refused. Forced bf16 layouts (any host): the
+    head drafts, chains and trees, and greedy output stays the target's."""
+    target, plain = pair
+    variants = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+    torch.manual_seed(0)
+    draft = Eagle3Draft({**plain.export_config, **variants})
+    with torch.no_grad():
+        draft.d2t.copy_(plain.d2t)
+        draft.t2d.copy_(plain.t2d)
+        for p in draft.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    fast = cpu_eagle3(draft.eval(), torch.bfloat16, layouts="packed_bf16" if bf16_native() else "kn_bf16")
+    assert fast.compute_dtype == torch.bfloat16
+    want = hf_greedy(target, LLAMA_PROMPTS, 16)
+    for tree in (None, "2,2,1"):
+        got = generate(cpu_model(target), fast, LLAMA_PROMPTS, num_draft_tokens=3, max_new_tokens=16, tree=tree)
+        assert got.tokens == want, tree
 
 
 def test_the_head_reads_nothing_back_from_the_device(pair, monkeypatch):

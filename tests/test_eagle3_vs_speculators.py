@@ -227,6 +227,12 @@ def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tm
     assert ablation.train == ours["same"].train
     with pytest.raises(ConfigError, match="ttt_dekay"):
         bench.our_recipe(cand, "same", tmp_path, 3, ["draft.ttt_dekay=1.0"])
+    # --training-seed: both trainers' seed (initialisation and batch order), nothing else of the recipes
+    for pair in ("same", "recommended"):
+        reseeded = bench.our_recipe(cand, pair, tmp_path, 3, seed=cand.seed + 7)
+        assert reseeded.seed == cand.seed + 7 and dataclasses.replace(reseeded, seed=cand.seed) == ours[pair]
+        flags = bench.their_flags(cand, pair, data, str(tmp_path / "target"), tmp_path / "save", 3, cand.seed + 7)
+        assert TrainConfig.resolve([*flags, "--total-seq-len", "100", "--epochs", "1"]).seed == cand.seed + 7
 
 
 @pytest.mark.slow  # ~70 s on 2 cores: four processes import torch, two of them speculators
@@ -237,9 +243,14 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
     out = tmp_path / "run"
     # One pair: its speculators head has that trainer's variants on (the other pair's flags are checked above).
     argv = ["--smoke", "--pairs", "recommended", "--out", str(out), "--json", str(out / "result.json")]
+    argv += ["--training-seed", "3"]  # not the config's: it must reach both trainings
     assert bench.main([*argv, "--ablate", "distill.teacher=online"]) == 0
     report = json.loads((out / "result.json").read_text())
     assert report["settings"]["smoke"] and report["data"]["train_rows"] > 0 and report["data"]["validation_rows"] > 0
+    assert report["settings"]["training_seed"] == 3
+    assert load_config(out / "children" / "recommended-ours.yaml").seed == 3
+    their_spec = json.loads((out / "children" / "recommended-speculators.spec.json").read_text())
+    assert their_spec["seed"] == 3 and their_spec["flags"][their_spec["flags"].index("--seed") + 1] == "3"
     assert set(report["pairs"]) == {"recommended"}
     for pair, r in report["pairs"].items():
         for who in ("ours", "speculators"):
