@@ -3,7 +3,7 @@ trainer, and acceptance, tau and speedup of each head on the same builtin:test p
 
     make install          # puts speculators 0.9.0 (and hs-connectors, its hidden-states reader) in .venv
     python benchmarks/eagle3_vs_speculators.py --pairs same --json runs/eagle3-vs-speculators/result.json   # ~25-50 min
-    python benchmarks/eagle3_vs_speculators.py --json runs/eagle3-vs-speculators/result.json    # both pairs: ~3.5 h
+    python benchmarks/eagle3_vs_speculators.py --json runs/eagle3-vs-speculators/result.json   # 3.5 h AVX2, 1 h AMX
     python benchmarks/eagle3_vs_speculators.py --smoke --out /tmp/e3vs --json /tmp/e3vs/result.json   # ~1.5 min
 
 CPU only by design: speculators' trainer runs here through the adapter below; on a GPU neither trainer needs one,
@@ -58,7 +58,8 @@ attention needs compiled kernels), --loss-implementation eager (the fused losses
 On the 2-core CPU (docs/benchmarks.md) the `same` pair trains in ~12 min and measures in ~21; speculators' own
 recipe (`recommended`) ran 27 s a step there, ~2.3 h for 300 steps: 23-26 s of it is one step of torch.optim.Muon,
 whose Newton-Schulz iterations run in bf16, which that CPU has no matrix units for (`--optimizer-step HEAD` times
-it). A training whose result exists for the very same spec under <out>/children is reused (a run stopped after it,
+it); on a 2-core host with AMX (AVX-512 BF16) the four trainings took ~12 min and its recipe ran 0.8 s a step.
+A training whose result exists for the very same spec under <out>/children is reused (a run stopped after it,
 or re-run with other --pairs; on the same machine also later: the `recommended` pair's trainings can be one run,
 stopped once they are done, and its eval the next); ours' spec holds its recipe and a digest of our training code
 (`our_code`), so a change to either trains it again.
