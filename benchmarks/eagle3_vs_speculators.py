@@ -511,7 +511,7 @@ def run_speculators(spec: dict) -> dict:
             self.epochs[-1]["peak"] = peak_rss_mb()
 
     S, epochs = their_packing(
-        spec["data_path"], spec["train_rows"], spec["steps"], spec["tokens_per_step"], spec.get("seed", SEED)
+        spec["data_path"], spec["train_rows"], spec["steps"], spec["tokens_per_step"], spec["seed"]
     )
     cli.Trainer = Measured
     with warnings.catch_warnings():
