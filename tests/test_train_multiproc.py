@@ -166,6 +166,7 @@ def test_shard_teacher_computes_the_full_models_logits_tied_or_not(tmp_path):
     script = tmp_path / "shard.py"
     script.write_text(
         textwrap.dedent(f"""
+        import gc
         import sys
         import torch
         import torch.distributed as dist
@@ -190,6 +191,11 @@ def test_shard_teacher_computes_the_full_models_logits_tied_or_not(tmp_path):
             for _ in range(2):  # reshard after each forward, gather again in the next
                 torch.testing.assert_close(teacher_forward(teacher, batch), full, rtol=0, atol=1e-6)
             print(f"rank {{dist.get_rank()}} tied={{tied}} ok", flush=True)
+        # Free the sharded modules (they hold the mesh and its process group) before the group goes: a gloo group
+        # left for the interpreter's shutdown to destroy aborts the process now and then (torch 2.13), as the
+        # recipe's cleanup avoids by dropping its teacher and student.
+        del teacher
+        gc.collect()
         dist.destroy_process_group()
     """)
     )
@@ -207,6 +213,7 @@ def test_on_policy_generation_with_a_sharded_student_keeps_processes_in_step(tmp
     script = tmp_path / "synced.py"
     script.write_text(
         textwrap.dedent(f"""
+        import gc
         import sys
         import torch
         import torch.distributed as dist
@@ -234,6 +241,8 @@ def test_on_policy_generation_with_a_sharded_student_keeps_processes_in_step(tmp
         new = [len(r["input_ids"]) - r["prompt_len"] for r in out]
         assert all(1 <= n <= 3 for n in new), new  # every process takes the smallest budget
         print(f"rank {{rank}} ok {{new}}", flush=True)
+        del student, mesh  # as in the test above: free the sharded module before its process group
+        gc.collect()
         dist.destroy_process_group()
     """)
     )
