@@ -81,6 +81,11 @@ Ablation (--ablate KEY=VALUE, repeatable): one more training of ours, the first 
 (e.g. `distill.teacher=online`: the target's exact logits in training instead of the top-k cache, the signal
 speculators learns from), measured as one more arm of the same A/B; the JSON's `ablation` holds its training and,
 per temperature, its paired differences against ours (what the overrides change) and against speculators.
+--ablate-speculators FLAG[=VALUE] (repeatable) is the same on their side: one more training of speculators, the
+first pair's flags with these set (`optimizer=adamw` for `--optimizer adamw`, `no-norm-before-fc` for the switch;
+a flag the pair already sets is replaced), its differences against speculators (what the flags change) and ours.
+Ablating their recipe towards ours, one choice at a time, finds which of its choices their acceptance comes from
+before any of them is built into our trainer.
 
 Training seed (--training-seed N): both trainers' seed (ours' config `seed`, speculators' --seed: the head's
 initialisation and the order of the batches); by default the config's. The eval's intervals hold the prompts' and
@@ -327,6 +332,25 @@ def their_flags(cand, pair: str, spec_data: dict, verifier: str, save: Path, ste
     return flags
 
 
+def with_flags(flags: list[str], settings: list[str]) -> list[str]:
+    """`flags` with each `name=value` (`--name value`) or switch (`--name`) of `settings` set: a flag already there
+    is replaced (a switch `--no-x` replaces `--x` too, and the other way round), a new one appended."""
+    out = list(flags)
+    for setting in settings:
+        name, _, value = setting.lstrip("-").partition("=")
+        base = name.removeprefix("no-")
+        forms = {f"--{base}", f"--no-{base}"}
+        for i, flag in enumerate(out):
+            if flag in forms:  # drop it and, for a valued flag, the values up to the next flag
+                end = i + 1
+                while end < len(out) and not out[end].startswith("--"):
+                    end += 1
+                del out[i:end]
+                break
+        out += [f"--{name}", *([value] if value else [])]
+    return out
+
+
 def recipes(cand, total_seq_len: int) -> dict:
     """What each side of each pair trains with, for the JSON (the overrides and flags above, in words)."""
     t, d = cand.train, cand.draft
@@ -480,6 +504,20 @@ def their_packing(data_path: str, rows: int, steps: int, tokens_per_step: float,
         if statistics.fmean(sum(lengths[i] for i in b) for b in batches[:steps]) >= tokens_per_step:
             return S, epochs
         S = max(S + 1, round(S * 1.02))
+
+
+def their_spec(tag: str, flags: list, save: Path, steps: int, spec_data: dict, tokens_per_step: float, seed: int):
+    """The spec of one speculators training (`run_speculators`): its flags and what its sampler needs."""
+    return {
+        "tag": tag,
+        "flags": flags,
+        "save": str(save),
+        "steps": steps,
+        "data_path": spec_data["path"],
+        "train_rows": spec_data["train_rows"],
+        "tokens_per_step": tokens_per_step,
+        "seed": seed,
+    }
 
 
 def run_speculators(spec: dict) -> dict:
@@ -787,6 +825,14 @@ def parse_args(argv: list[str] | None):
         help="train one more head of ours: the first pair's recipe with this override (repeatable, e.g. "
         "--ablate distill.teacher=online), measured as one more arm of the same A/B",
     )
+    ap.add_argument(
+        "--ablate-speculators",
+        action="append",
+        metavar="FLAG[=VALUE]",
+        help="train one more head of speculators: the first pair's flags with this one set, without its dashes "
+        "(repeatable, e.g. --ablate-speculators optimizer=adamw --ablate-speculators no-norm-before-fc), measured "
+        "as one more arm of the same A/B",
+    )
     ap.add_argument("--smoke", action="store_true", help="random:tiny-llama, a few prompts and steps (the test)")
     ap.add_argument(
         "--retrain",
@@ -861,16 +907,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 save = args.out / "speculators" / pair / "checkpoints"
                 flags = their_flags(cand, pair, spec_data, verifier, save, steps, seed)
-                spec = {
-                    "tag": tag,
-                    "flags": flags,
-                    "save": str(save),
-                    "steps": steps,
-                    "data_path": spec_data["path"],
-                    "train_rows": spec_data["train_rows"],
-                    "tokens_per_step": tokens_per_step,
-                    "seed": seed,
-                }
+                spec = their_spec(tag, flags, save, steps, spec_data, tokens_per_step, seed)
             print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({steps} steps)", flush=True)
             trainings[tag] = child(args, who, spec)
     if args.ablate:  # one more of ours: the first pair's recipe with the overrides, an arm of the same A/B
@@ -878,6 +915,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({' '.join(args.ablate)})", flush=True)
         ablated = our_spec(args, cand, args.pairs[0], tag, steps, data, args.ablate, pass_tokens)
         trainings[tag] = child(args, "ours", ablated)
+    if args.ablate_speculators:  # one more of theirs: the first pair's flags with these set
+        tag, pair = f"{args.pairs[0]}-speculators-ablation", args.pairs[0]
+        print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({' '.join(args.ablate_speculators)})", flush=True)
+        save = args.out / "speculators" / f"{pair}-ablation" / "checkpoints"
+        flags = with_flags(their_flags(cand, pair, spec_data, verifier, save, steps, seed), args.ablate_speculators)
+        trainings[tag] = child(
+            args, "speculators", their_spec(tag, flags, save, steps, spec_data, tokens_per_step, seed)
+        )
 
     probe = load_teacher_row(data.validation, cand.train.max_seq_len, limit=64)
     prompts = eval_prompts("builtin:test", tokenizer, args.prompts, trained_on=cfg.data)
@@ -916,7 +961,11 @@ def main(argv: list[str] | None = None) -> int:
             "recipes": recipes(cand, theirs["total_seq_len"])[pair],
         }
         if args.ablate and pair == args.pairs[0]:
-            results[pair]["ablation"] = ablation_summary(args, trainings, measured, pair)
+            results[pair]["ablation"] = ablation_summary(args, trainings, measured, pair, "ours", args.ablate)
+        if args.ablate_speculators and pair == args.pairs[0]:
+            results[pair]["speculators_ablation"] = ablation_summary(
+                args, trainings, measured, pair, "speculators", args.ablate_speculators
+            )
 
     settings = {
         "config": args.config,
@@ -949,10 +998,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def ablation_summary(args, trainings: dict, measured: dict, pair: str) -> dict:
-    """The --ablate head against the pair's two: its training, its metrics and, per temperature, the paired
-    differences ablation - ours (what the overrides changed) and ablation - speculators."""
-    tag = f"{pair}-ours-ablation"
+def ablation_summary(args, trainings: dict, measured: dict, pair: str, who: str, overrides: list[str]) -> dict:
+    """An ablated head of `who` (--ablate: ours; --ablate-speculators: theirs) against the pair's two: its
+    training, its metrics and, per temperature, the paired differences ablation - ours and ablation - speculators
+    (against its own trainer's head: what the overrides changed)."""
+    tag = f"{pair}-{who}-ablation"
     evals = {}
     for T, runs in measured.items():
         a = runs[tag]
@@ -961,7 +1011,8 @@ def ablation_summary(args, trainings: dict, measured: dict, pair: str) -> dict:
             "minus_ours": head_difference(a, runs[f"{pair}-ours"]),
             "minus_speculators": head_difference(a, runs[f"{pair}-speculators"]),
         }
-    return {"overrides": args.ablate, "training": training_summary(trainings[tag], args.warmup_steps), "eval": evals}
+    training = training_summary(trainings[tag], args.warmup_steps)
+    return {"trainer": who, "overrides": overrides, "training": training, "eval": evals}
 
 
 def load_teacher_row(path: Path, max_len: int, *, limit: int) -> list[int]:
@@ -1016,12 +1067,12 @@ def print_table(report: dict) -> None:
             f"{'passed' if c['passed'] else 'FAILED'}; same draft vocabulary: {r['same_draft_vocab']}"
         )
         print("goals: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r["goals"].items()))
-        if "ablation" in r:
-            a = r["ablation"]
+        for a in (r[k] for k in ("ablation", "speculators_ablation") if k in r):
+            training = a["training"]
             print(
-                f"\nablation ({' '.join(a['overrides'])}): training {a['training']['tokens_per_s']:.0f} tokens/s, "
-                f"peak RSS {a['training']['peak_rss_mb']:.0f} MiB\n\n| | ablation | ablation - ours | "
-                "ablation - speculators |\n| --- | ---: | ---: | ---: |"
+                f"\nablation of {a['trainer']} ({' '.join(a['overrides'])}): training "
+                f"{training['tokens_per_s']:.0f} tokens/s, peak RSS {training['peak_rss_mb']:.0f} MiB\n\n"
+                "| | ablation | ablation - ours | ablation - speculators |\n| --- | ---: | ---: | ---: |"
             )
             for T, e in a["eval"].items():
                 for label, key in (("acceptance", "acceptance_rate"), ("tau", "mean_accepted_length")):

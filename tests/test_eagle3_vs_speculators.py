@@ -233,6 +233,23 @@ def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tm
         assert reseeded.seed == cand.seed + 7 and dataclasses.replace(reseeded, seed=cand.seed) == ours[pair]
         flags = bench.their_flags(cand, pair, data, str(tmp_path / "target"), tmp_path / "save", 3, cand.seed + 7)
         assert TrainConfig.resolve([*flags, "--total-seq-len", "100", "--epochs", "1"]).seed == cand.seed + 7
+    # --ablate-speculators: the pair's flags with these set, a flag already there replaced (a switch by its negation)
+    same_flags = bench.their_flags(cand, "same", data, str(tmp_path / "target"), tmp_path / "save", 3)
+    ablated = bench.with_flags(
+        same_flags, ["optimizer=muon", "norm-before-fc", "weight-decay=0.01", "muon-momentum=0.9"]
+    )
+    assert ablated.count("--optimizer") == ablated.count("--weight-decay") == 1 and "--no-norm-before-fc" not in ablated
+    assert ablated[-2:] == ["--muon-momentum", "0.9"] and len(ablated) == len(same_flags) + 2
+    config = TrainConfig.resolve([*ablated, "--total-seq-len", "100", "--epochs", "1"])
+    resolved = TrainConfig.resolve([*same_flags, "--total-seq-len", "100", "--epochs", "1"])
+    assert (config.optimizer.optimizer, config.optimizer.weight_decay) == ("muon", 0.01)
+    assert config.draft.norm_before_fc and config.optimizer.muon_momentum == 0.9
+    assert config.draft.norm_output == resolved.draft.norm_output is False  # what it did not name stays the pair's
+    assert bench.with_flags(["--norm-before-fc", "--lr", "1"], ["no-norm-before-fc"]) == [
+        "--lr",
+        "1",
+        "--no-norm-before-fc",
+    ]
 
 
 @pytest.mark.slow  # ~70 s on 2 cores: four processes import torch, two of them speculators
@@ -244,7 +261,8 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
     # One pair: its speculators head has that trainer's variants on (the other pair's flags are checked above).
     argv = ["--smoke", "--pairs", "recommended", "--out", str(out), "--json", str(out / "result.json")]
     argv += ["--training-seed", "3"]  # not the config's: it must reach both trainings
-    assert bench.main([*argv, "--ablate", "distill.teacher=online"]) == 0
+    argv += ["--ablate", "distill.teacher=online", "--ablate-speculators", "optimizer=adamw"]
+    assert bench.main(argv) == 0
     report = json.loads((out / "result.json").read_text())
     assert report["settings"]["smoke"] and report["data"]["train_rows"] > 0 and report["data"]["validation_rows"] > 0
     assert report["settings"]["training_seed"] == 3
@@ -292,6 +310,18 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
         assert 0 <= e["ablation"]["acceptance_rate"] <= 1, T
         for d in (e["minus_ours"], e["minus_speculators"]):
             assert d["acceptance_rate_ci"][0] <= d["acceptance_rate"] <= d["acceptance_rate_ci"][1]
+    # Their ablation: the pair's flags with AdamW for Muon, trained as its own head, the same A/B.
+    ablated = report["pairs"]["recommended"]["speculators_ablation"]
+    assert (ablated["trainer"], ablated["overrides"]) == ("speculators", ["optimizer=adamw"])
+    flags = json.loads((out / "children" / "recommended-speculators-ablation.spec.json").read_text())["flags"]
+    own = [f.replace("/recommended/", "/recommended-ablation/") for f in their_spec["flags"]]  # its own folders
+    assert flags == bench.with_flags(own, ["optimizer=adamw"])
+    pair_heads = {t["head"] for t in report["pairs"]["recommended"]["training"].values() if isinstance(t, dict)}
+    assert len(pair_heads) == 2 and ablated["training"]["head"] not in pair_heads
+    for e in ablated["eval"].values():
+        assert 0 <= e["ablation"]["acceptance_rate"] <= 1
+        d = e["minus_speculators"]
+        assert d["acceptance_rate_ci"][0] <= d["acceptance_rate"] <= d["acceptance_rate_ci"][1]
     # The recommended pair's speculators head has its trainer's variants on: our loader read them from its folder.
     head = report["pairs"]["recommended"]["training"]["speculators"]["head"]
     config = Eagle3Draft.from_pretrained(head).export_config
