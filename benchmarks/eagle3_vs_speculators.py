@@ -276,6 +276,7 @@ def our_recipe(
         fixed["seed"] = seed
     if pair == "same":  # speculators clips at 1 and always freezes lm_head; its cosine ends at 0
         fixed |= {"train.min_lr_ratio": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": 1.0}
+        fixed |= {"train.optimizer": "adamw"}
         fixed |= {"draft.freeze_lm_head": True}
         fixed |= {"distill.loss_on_prompt": False}  # its loss mask: the response tokens (the quickstart's head: all)
         if pass_tokens:  # a step of ours holds train.batch_size sequences whatever their length; its passes do not
@@ -374,7 +375,12 @@ def recipes(cand, total_seq_len: int) -> dict:
         "head": engines,
     }
     ours = {
-        "optimizer": f"AdamW, weight decay {t.weight_decay}, clipping at {t.max_grad_norm}",
+        "optimizer": (
+            f"Muon (weight decay {t.muon_weight_decay}) on 2-D weights + AdamW (weight decay {t.weight_decay})"
+            if t.optimizer == "muon"
+            else f"AdamW, weight decay {t.weight_decay}"
+        )
+        + f", clipping at {t.max_grad_norm}",
         "schedule": f"linear warm-up {t.warmup_steps} steps, cosine to {t.min_lr_ratio} x lr",
         "ttt_decay": d.ttt_decay,
         "lm_head": "frozen" if d.freeze_lm_head else "trained",

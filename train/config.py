@@ -37,7 +37,13 @@ class TrainConfig:
     warmup_steps: int = 10
     """Linear warm-up steps."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay (with optimizer=muon: of the parameters AdamW trains)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw; or muon: torch.optim.Muon on the 2-D weight matrices (lr scaled to match AdamW's update size, so `lr`
+    means the same) and AdamW on norms, biases, embeddings and the output head (train/optimizers.py). Not under
+    DeepSpeed or FSDP, whose flat or sharded parameters are no matrices to orthogonalise."""
+    muon_weight_decay: float = 0.1
+    """Weight decay of the matrices Muon trains (torch's and speculators' default)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (0 = off)."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
@@ -72,8 +78,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
-            raise ValueError("warmup_steps, weight_decay and max_grad_norm must be >= 0")
+        if min(self.warmup_steps, self.weight_decay, self.muon_weight_decay, self.max_grad_norm) < 0:
+            raise ValueError("warmup_steps, weight_decay, muon_weight_decay and max_grad_norm must be >= 0")
         if self.max_micro_batch_tokens < 0:
             raise ValueError(f"max_micro_batch_tokens must be >= 0 (0 = no bound), got {self.max_micro_batch_tokens}")
         if self.timeout_minutes <= 0:

@@ -74,6 +74,7 @@ from specdec_runtime.errors import UserError
 from specdec_runtime.loading import LORA_BASE, load_model, stop_token_ids
 from train import checkpoint, distributed, validation
 from train.config import CandidateRun as CandidateRun  # the recipe's input, named where it is used
+from train.optimizers import build_optimizer
 from train.tracking import make_tracker
 
 
@@ -169,6 +170,12 @@ class DistillRecipe:
         self.rank, self.world, self.device = acc.process_index, acc.num_processes, acc.device
         self.is_main, self.fsdp = acc.is_main_process, acc.distributed_type == DistributedType.FSDP
         distributed.check_grad_accum(acc, train_cfg)
+        if train_cfg.optimizer == "muon" and (self.deepspeed or self.fsdp):
+            raise UserError(
+                f"train.optimizer=muon needs whole weight matrices, and {'DeepSpeed' if self.deepspeed else 'FSDP'} "
+                "splits them across processes: set train.optimizer=adamw, or launch with DDP (no DeepSpeed or FSDP "
+                "config) or on one process"
+            )
         if self.deepspeed:
             distributed.configure_deepspeed(acc.state.deepspeed_plugin, train_cfg)
         self.shard = distributed.should_shard_teacher(
@@ -277,14 +284,10 @@ class DistillRecipe:
         )
 
     def _setup_optimizer(self) -> None:
-        """AdamW and the warm-up + cosine schedule. The scheduler is stepped by hand, not prepared: accelerate would
-        step it once per process per optimizer step."""
+        """The optimizer (train.optimizer: AdamW, or Muon + AdamW) and the warm-up + cosine schedule. The scheduler is
+        stepped by hand, not prepared: accelerate would step it once per process per optimizer step."""
         train_cfg = self.train_cfg
-        trainable = [p for p in self.student.parameters() if p.requires_grad]
-        # On the CPU torch's default AdamW loops over the tensors (0.09 vs 0.03 s a step for the 4-layer SmolLM2
-        # student, docs/benchmarks.md); on CUDA its default (foreach) is already multi-tensor.
-        fused = True if all(p.device.type == "cpu" for p in trainable) else None
-        self.optimizer = torch.optim.AdamW(trainable, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, fused=fused)
+        self.optimizer = build_optimizer(self.student, train_cfg)
         schedule = functools.partial(
             lr_factor, warmup=train_cfg.warmup_steps, total=self.total, min_ratio=train_cfg.min_lr_ratio
         )
