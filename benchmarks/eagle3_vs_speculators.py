@@ -422,7 +422,7 @@ def run_ours(spec: dict) -> dict:
     from specdistill.pipeline import distill_candidate
 
     cfg = load_config(spec["config"])
-    marks, ends = {}, []
+    marks = {}
     train, validate = loop.DistillRecipe.train, loop.validation.validate
 
     def train_measured(self):
@@ -436,9 +436,12 @@ def run_ours(spec: dict) -> dict:
         return validate(*a, **kw)
 
     loop.DistillRecipe.train, loop.validation.validate = train_measured, validate_after_training
-    hook = register_optimizer_step_post_hook(lambda *_: ends.append(time.perf_counter()))
+    steps = []  # (optimizer, when) of every step; train.optimizer=muon steps its two halves inside its own step
+    hook = register_optimizer_step_post_hook(lambda opt, *_: steps.append((opt, time.perf_counter())))
     cand = distill_candidate(cfg, spec["name"], TeacherData(Path(spec["train"]), Path(spec["validation"])))
     hook.remove()
+    halves = {id(h) for opt, _ in steps for h in getattr(opt, "halves", ())}
+    ends = [when for opt, when in steps if id(opt) not in halves]
     return {
         "step_s": [b - a for a, b in zip([marks["start"], *ends], ends)],
         "step_tokens": our_step_tokens(spec["train"], cfg.train.max_seq_len, cfg.train.batch_size, cfg.seed, len(ends)),

@@ -215,6 +215,11 @@ def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tm
     on_prompt = dataclasses.replace(cand, distill=dataclasses.replace(cand.distill, loss_on_prompt=True))
     assert not bench.our_recipe(on_prompt, "same", tmp_path, 3).distill.loss_on_prompt
     assert bench.our_recipe(on_prompt, "recommended", tmp_path, 3).distill.loss_on_prompt
+    # `same` runs AdamW as speculators does there, whatever the candidate's optimizer; `recommended` the candidate's
+    muon = dataclasses.replace(cand, train=dataclasses.replace(cand.train, optimizer="muon"))
+    assert bench.our_recipe(muon, "same", tmp_path, 3).train.optimizer == "adamw"
+    assert bench.our_recipe(muon, "recommended", tmp_path, 3).train.optimizer == "muon"
+    assert bench.recipes(muon, 618)["recommended"]["ours"]["optimizer"].startswith("Muon")
     assert all(o.train.max_steps == 3 and o.train.eval_every == 3 and o.draft == cand.draft for o in ours.values())
     # in `same` a pass of ours holds at most speculators' packed length; `recommended` runs the config as it is
     assert [o.train.max_micro_batch_tokens for o in ours.values()] == [0, 0]
@@ -261,7 +266,8 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
     # One pair: its speculators head has that trainer's variants on (the other pair's flags are checked above).
     argv = ["--smoke", "--pairs", "recommended", "--out", str(out), "--json", str(out / "result.json")]
     argv += ["--training-seed", "3"]  # not the config's: it must reach both trainings
-    argv += ["--ablate", "distill.teacher=online", "--ablate-speculators", "optimizer=adamw"]
+    argv += ["--ablate", "distill.teacher=online", "--ablate", "train.optimizer=muon"]
+    argv += ["--ablate-speculators", "optimizer=adamw"]
     assert bench.main(argv) == 0
     report = json.loads((out / "result.json").read_text())
     assert report["settings"]["smoke"] and report["data"]["train_rows"] > 0 and report["data"]["validation_rows"] > 0
@@ -300,10 +306,12 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
         }
     # The ablation: our recipe of the pair with the override, trained as its own head and measured in the same A/B.
     ablation = report["pairs"]["recommended"]["ablation"]
-    assert ablation["overrides"] == ["distill.teacher=online"]
+    assert ablation["overrides"] == ["distill.teacher=online", "train.optimizer=muon"]
     recipe = load_config(out / "children" / "recommended-ours-ablation.yaml")
     plain = load_config(out / "children" / "recommended-ours.yaml")
     assert recipe.distill.teacher == "online" and plain.distill.teacher == "cache" and recipe.draft == plain.draft
+    assert (recipe.train.optimizer, plain.train.optimizer) == ("muon", "adamw")
+    # its steps counted once each though Muon and AdamW step inside (the head read is the last step's checkpoint)
     assert ablation["training"]["steps"] == report["settings"]["steps"]
     assert ablation["training"]["head"] != report["pairs"]["recommended"]["training"]["ours"]["head"]
     for T, e in ablation["eval"].items():

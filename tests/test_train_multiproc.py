@@ -160,6 +160,18 @@ def test_deepspeed_bf16_resumes_exactly_from_its_fp32_masters(one_process):
 
 
 @pytest.mark.slow
+def test_muon_is_refused_under_deepspeed_before_the_candidate_folder_is_written(one_process):
+    """train.optimizer=muon orthogonalises whole weight matrices; ZeRO hands the optimizer flat partitions: one
+    error naming the fix, and nothing of the candidate written."""
+    root, data, _ = one_process
+    out = root / "muon-deepspeed"
+    log = run_two_processes(root, data, out, (1,), "train.optimizer=muon", launcher=deepspeed_launcher(), check=False)
+    assert "train.optimizer=muon needs whole weight matrices, and DeepSpeed splits them" in log, log[-3000:]
+    assert "set train.optimizer=adamw" in log
+    assert not (out / "candidates" / "draft" / "config.yaml").exists()
+
+
+@pytest.mark.slow
 def test_shard_teacher_computes_the_full_models_logits_tied_or_not(tmp_path):
     """shard_teacher on 2 CPU processes: a tied model (embeddings and head in the root unit) and an untied one (each
     its own unit) hold half their weights per process and give the logits of the unsharded model."""

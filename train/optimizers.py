@@ -57,6 +57,11 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, defaults={})
         self._link()
 
+    @property
+    def halves(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers stepped inside `step` (a global step hook sees them step too)."""
+        return (self._muon,) if self._adamw is None else (self._muon, self._adamw)
+
     def _link(self) -> None:
         """Point both halves at this optimizer's groups and state (again after load_state_dict replaced them)."""
         n = len(self._muon.param_groups)
