@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdec_runtime.errors import UserError
+
 
 def build_optimizer(student: nn.Module, train_cfg) -> torch.optim.Optimizer:
     """The optimizer train.optimizer names over the student's trainable parameters."""
@@ -50,7 +52,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, matrices: list, rest: list, *, muon: dict, adamw: dict):
         if not matrices:
-            raise ValueError("Muon found no 2-D weight to train: use train.optimizer=adamw")
+            raise UserError("train.optimizer=muon found no 2-D weight matrix to train: use train.optimizer=adamw")
         self._muon = torch.optim.Muon(matrices, adjust_lr_fn="match_rms_adamw", **muon)
         self._adamw = torch.optim.AdamW(rest, **adamw) if rest else None
         groups = [*self._muon.param_groups, *(self._adamw.param_groups if self._adamw else [])]
