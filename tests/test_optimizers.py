@@ -40,11 +40,11 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     matrices, rest = muon_split(model, trainable)
     name = {id(p): n for n, p in model.named_parameters()}
     muon, adamw = {name[id(p)] for p in matrices}, {name[id(p)] for p in rest}
-    assert muon and all(n.endswith(("proj.weight",)) for n in muon), muon
+    assert muon and all(n.endswith("proj.weight") for n in muon), muon
     assert "model.layers.1.mlp.up_proj.weight" not in muon | adamw  # frozen: in neither
-    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= adamw
-    assert all(p.ndim == 1 for n, p in model.named_parameters() if n in adamw - {"model.embed_tokens.weight",
-                                                                                   "lm_head.weight"})  # fmt: skip
+    embedding_like = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert embedding_like | {"model.norm.weight"} <= adamw
+    assert all(p.ndim == 1 for n, p in model.named_parameters() if n in adamw - embedding_like)
     assert len(muon) + len(adamw) == len(trainable)
 
 
