@@ -486,24 +486,35 @@ def test_resume_reads_the_optimizer_state_memory_mapped(tmp_path):
 
 def test_a_bf16_teacher_file_loads_memory_mapped_in_bf16(tmp_path, isolated_cache):
     """With dtype auto resolved for the GPU a sharded teacher trains on (bf16), a bf16 checkpoint loaded on the CPU
-    keeps its weights in the file's pages (one page-cache copy for all ranks); an fp32 upcast is a private copy."""
-    from helpers.models import tiny_llama
+    keeps its weights in the file's pages (one page-cache copy for all ranks); an fp32 upcast is a private copy.
+    Measured in a fresh process: in this one, memory freed by earlier tests can take the upcast without growing it."""
+    script = tmp_path / "load.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import json, sys
+        import psutil, torch
+        sys.path.insert(0, {str(TESTS)!r})
+        from helpers.models import tiny_llama
+        from specdec_runtime.loading import load_model, load_tokenizer
 
-    from specdec_runtime.loading import load_model, load_tokenizer
-
-    folder = tmp_path / "bf16"
-    tiny_llama(vocab_size=512, hidden_size=512, intermediate_size=2048, layers=4).to(torch.bfloat16).save_pretrained(
-        folder
-    )
-    load_tokenizer("random:tiny-llama").save_pretrained(folder)
-    process = psutil.Process()
-    sizes = {}
-    for dtype in ("bfloat16", "float32"):
-        before = process.memory_full_info().uss
-        model, _ = load_model(str(folder), dtype=dtype, device="cpu")
-        params = sum(p.numel() * p.element_size() for p in model.parameters())
-        sizes[dtype] = (process.memory_full_info().uss - before) / params
+        folder = {str(tmp_path / "bf16")!r}
+        model = tiny_llama(vocab_size=512, hidden_size=512, intermediate_size=2048, layers=4)
+        model.to(torch.bfloat16).save_pretrained(folder)
+        load_tokenizer("random:tiny-llama").save_pretrained(folder)
         del model
+        process, sizes = psutil.Process(), {{}}
+        for dtype in ("bfloat16", "float32"):
+            before = process.memory_full_info().uss
+            model, _ = load_model(folder, dtype=dtype, device="cpu")
+            params = sum(p.numel() * p.element_size() for p in model.parameters())
+            sizes[dtype] = (process.memory_full_info().uss - before) / params
+            del model
+        print(json.dumps(sizes))
+    """)
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=os.environ)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sizes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sizes["bfloat16"] < 0.3 < 0.9 < sizes["float32"], sizes
 
 
