@@ -36,7 +36,7 @@ def untied_llama() -> torch.nn.Module:
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     model = untied_llama()
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
     matrices, rest = muon_split(model, trainable)
     name = {id(p): n for n, p in model.named_parameters()}
     muon, adamw = {name[id(p)] for p in matrices}, {name[id(p)] for p in rest}
@@ -55,15 +55,16 @@ def test_one_step_is_torchs_muon_on_the_matrices_and_adamw_on_the_rest():
     ours, ref = untied_llama(), untied_llama()
     optimizer = build_optimizer(ours, cfg)
     assert isinstance(optimizer, MuonAdamW)
-    trainable = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
-    matrices, rest = muon_split(ref, trainable)
+    matrices, rest = muon_split(ref, [p for p in ref.parameters() if p.requires_grad])
     muon = torch.optim.Muon(matrices, lr=2e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW(rest, lr=2e-3, weight_decay=0.01, fused=True)
     schedules = [LambdaLR(o, lambda step: 1 / (1 + step)) for o in (optimizer, muon, adamw)]
     for seed in range(3):
         steps(ours, optimizer, [seed])
         loss_of(ref, seed).backward()
-        muon.step(), adamw.step(), muon.zero_grad(), adamw.zero_grad()
+        for half in (muon, adamw):
+            half.step()
+            half.zero_grad()
         for s in schedules:
             s.step()
     assert {g["lr"] for g in optimizer.param_groups} == {2e-3 / 4}

@@ -17,27 +17,27 @@ from specdec_runtime.errors import UserError
 
 def build_optimizer(student: nn.Module, train_cfg) -> torch.optim.Optimizer:
     """The optimizer train.optimizer names over the student's trainable parameters."""
-    trainable = [(name, p) for name, p in student.named_parameters() if p.requires_grad]
+    trainable = [p for p in student.parameters() if p.requires_grad]
     # On the CPU torch's default AdamW loops over the tensors (0.09 vs 0.03 s a step for the 4-layer SmolLM2
     # student, docs/benchmarks.md); on CUDA its default (foreach) is already multi-tensor.
-    fused = True if all(p.device.type == "cpu" for _, p in trainable) else None
+    fused = True if all(p.device.type == "cpu" for p in trainable) else None
     adamw = dict(lr=train_cfg.lr, weight_decay=train_cfg.weight_decay, fused=fused)
     if train_cfg.optimizer == "adamw":
-        return torch.optim.AdamW([p for _, p in trainable], **adamw)
+        return torch.optim.AdamW(trainable, **adamw)
     matrices, rest = muon_split(student, trainable)
     muon = dict(lr=train_cfg.lr, weight_decay=train_cfg.muon_weight_decay)
     return MuonAdamW(matrices, rest, muon=muon, adamw=adamw)
 
 
-def muon_split(student: nn.Module, trainable: list[tuple[str, nn.Parameter]]) -> tuple[list, list]:
+def muon_split(student: nn.Module, trainable: list[nn.Parameter]) -> tuple[list, list]:
     """(Muon's parameters, AdamW's): the 2-D weights but those of embedding modules and the output head."""
     embedding_like = {id(p) for m in student.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     head = student.get_output_embeddings() if hasattr(student, "get_output_embeddings") else None
     head = head if head is not None else getattr(student, "lm_head", None)  # an EAGLE-3 head has no getter
     if head is not None:
         embedding_like |= {id(p) for p in head.parameters()}
-    matrices = [p for _, p in trainable if p.ndim == 2 and id(p) not in embedding_like]
-    rest = [p for _, p in trainable if p.ndim != 2 or id(p) in embedding_like]
+    matrices = [p for p in trainable if p.ndim == 2 and id(p) not in embedding_like]
+    rest = [p for p in trainable if p.ndim != 2 or id(p) in embedding_like]
     return matrices, rest
 
 
