@@ -111,7 +111,13 @@ def build_eagle3_student(teacher, draft_cfg, train: Path, cand: Path, *, is_main
 
         write_text(cand / VOCAB_FILE, json.dumps(vocab))
     aux = draft_cfg.aux_layers if draft_cfg.aux_layers is not None else default_aux_layers(L)
-    student = Eagle3Draft.from_target(teacher, torch.tensor(vocab["ids"]), aux)
+    student = Eagle3Draft.from_target(
+        teacher,
+        torch.tensor(vocab["ids"]),
+        aux,
+        init_std=draft_cfg.init_std,
+        norm_from_target=draft_cfg.norm_from_target,
+    )
     student.lm_head.weight.requires_grad_(not draft_cfg.freeze_lm_head)
     return student.float().train(), vocab["coverage"]
 

@@ -86,6 +86,13 @@ class DraftConfig:
     freeze_lm_head: bool = False
     """eagle3: keep lm_head at the target's rows of the draft vocabulary (as speculators does); false trains it
     (as EAGLE does)."""
+    init_std: float = 0.0
+    """eagle3: start fc and the layer's linears from normal(0, init_std), as HF models and speculators do (0.02);
+    0 = torch's default for a Linear (Kaiming uniform, std 1 / sqrt(3 fan_in): 0.014 to 0.024 on SmolLM2's sizes).
+    Muon moves weights by a fixed small step (train.optimizer), so where they start matters more there."""
+    norm_from_target: bool = True
+    """eagle3: start the head's final norm at the target's final norm weights (lm_head starts at the target's rows);
+    false starts it at ones, as speculators does."""
     lookup_knobs: list[str] = field(default_factory=lambda: [""])
     """ngram / suffix: the knob settings the eval sweeps, each one candidate, spelled as on the command line: ngram
     'max=4,min=2' (prompt_lookup_max / _min), suffix 'depth=24,factor=1.0,prob=0.1,cached=1000' (tree depth,
@@ -159,6 +166,8 @@ class DraftConfig:
                     f"aux_layers must be 3 layer indices >= 1 in ascending order (the serving engines concatenate "
                     f"them in layer order) or None, got {self.aux_layers}"
                 )
+        if not 0 <= self.init_std < 1:
+            raise ValueError(f"init_std must be in [0, 1) (0 = torch's default), got {self.init_std}")
         if self.init == "eagle3" and self.lora:
             raise ValueError("lora does not apply to init=eagle3 (the head is small and trains in full)")
         if self.draft_vocab_size < 1 or self.ttt_depth < 1 or not 0 < self.ttt_decay <= 1:

@@ -560,20 +560,34 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_target(
-        cls, target, draft_ids: Tensor, aux_layers: list[int] | None = None, *, seed: int | None = None
+        cls,
+        target,
+        draft_ids: Tensor,
+        aux_layers: list[int] | None = None,
+        *,
+        seed: int | None = None,
+        init_std: float = 0.0,
+        norm_from_target: bool = True,
     ) -> Eagle3Draft:
-        """A new head for `target`: random fc and midlayer, norm copied from the target's final norm, lm_head from
-        the target's head rows of `draft_ids` (strictly increasing target ids); fp32, on the target's device."""
+        """A new head for `target`: random fc and midlayer (torch's default for a Linear, or with `init_std` > 0
+        normal(0, init_std), as HF models and speculators start theirs), norm copied from the target's final norm
+        (or ones with `norm_from_target` false), lm_head from the target's head rows of `draft_ids` (strictly
+        increasing target ids); fp32, on the target's device."""
         config = draft_config(target.config, draft_vocab_size=len(draft_ids), aux_layers=aux_layers)
         if seed is not None:
             torch.manual_seed(seed)
         model = cls(config).to(next(target.parameters()).device)
         d2t, t2d = vocab_maps(draft_ids, target.config.vocab_size)
         with torch.no_grad():
+            if init_std > 0:
+                for module in (model.fc, model.midlayer):
+                    for linear in (m for m in module.modules() if isinstance(m, nn.Linear)):
+                        linear.weight.normal_(0.0, init_std)
             model.d2t.copy_(d2t)
             model.t2d.copy_(t2d)
             model.lm_head.weight.copy_(target.get_output_embeddings().weight[target_ids(model.d2t)])
-            model.norm.weight.copy_(target.base_model.norm.weight)
+            if norm_from_target:
+                model.norm.weight.copy_(target.base_model.norm.weight)
         return model
 
 

@@ -503,6 +503,32 @@ def test_the_heads_cpu_training_attention_repeats_the_keys_and_broadcasts_the_ma
         torch.testing.assert_close(got.detach(), want)
 
 
+def test_a_new_heads_initialisation_follows_init_std_and_norm_from_target():
+    """torch's default or normal(0, init_std) for fc and the layer's linears (what speculators starts from), the
+    final norm from the target's or ones; lm_head is the target's rows either way, and the same seed the same head."""
+    target = tiny_llama(seed=1, layers=6, hidden_size=64, intermediate_size=256)  # enough weights for a std to be read
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(1.5, 2.5)  # a trained norm, not the ones a new RMSNorm starts at
+    linears = ["fc", "midlayer.self_attn.q_proj", "midlayer.self_attn.o_proj", "midlayer.mlp.down_proj"]
+
+    default = Eagle3Draft.from_target(target, DRAFT_IDS, seed=0)
+    for name in linears:  # Kaiming uniform: bounded by 1 / sqrt(fan_in), std 1 / sqrt(3 fan_in)
+        w = default.get_submodule(name).weight
+        assert w.abs().max() <= 1 / w.shape[1] ** 0.5
+        assert w.std().item() == pytest.approx(1 / (3 * w.shape[1]) ** 0.5, rel=0.1)
+    assert torch.equal(default.norm.weight, target.model.norm.weight)
+
+    normal = Eagle3Draft.from_target(target, DRAFT_IDS, seed=0, init_std=0.02, norm_from_target=False)
+    for name in linears:
+        w = normal.get_submodule(name).weight
+        assert w.std().item() == pytest.approx(0.02, rel=0.1) and w.abs().max() > 2.5 * 0.02  # a normal's tails
+    assert torch.equal(normal.norm.weight, torch.ones_like(normal.norm.weight))
+    for head in (default, normal):
+        assert torch.equal(head.lm_head.weight, target.lm_head.weight[DRAFT_IDS])
+    again = Eagle3Draft.from_target(target, DRAFT_IDS, seed=0, init_std=0.02, norm_from_target=False)
+    assert all(torch.equal(a, b) for a, b in zip(normal.state_dict().values(), again.state_dict().values()))
+
+
 # ------------------------------------------------------------------------------------------------ config and engines
 
 
@@ -517,6 +543,7 @@ def test_draft_config_validates_the_eagle3_keys():
         (dict(init="eagle3", ttt_decay=0.0), "ttt_decay"),
         (dict(init="eagle3", ttt_depth=0), "ttt_depth"),
         (dict(init="eagle3", draft_vocab_size=0), "draft_vocab_size"),
+        (dict(init="eagle3", init_std=-0.02), "init_std"),
     ]:
         with pytest.raises(ValueError, match=match):
             DraftConfig(**bad)
