@@ -580,9 +580,9 @@ class Eagle3Draft(nn.Module):
         d2t, t2d = vocab_maps(draft_ids, target.config.vocab_size)
         with torch.no_grad():
             if init_std > 0:
-                for module in (model.fc, model.midlayer):
-                    for linear in (m for m in module.modules() if isinstance(m, nn.Linear)):
-                        linear.weight.normal_(0.0, init_std)
+                for m in (*model.fc.modules(), *model.midlayer.modules()):
+                    if isinstance(m, nn.Linear):
+                        m.weight.normal_(0.0, init_std)
             model.d2t.copy_(d2t)
             model.t2d.copy_(t2d)
             model.lm_head.weight.copy_(target.get_output_embeddings().weight[target_ids(model.d2t)])

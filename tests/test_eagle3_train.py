@@ -92,6 +92,25 @@ def test_a_resumed_eagle3_run_ends_where_a_straight_one_does_with_its_stored_voc
     assert_same_logs(rows, ref_rows)
 
 
+def test_the_heads_initialisation_options_reach_the_training(straight, tmp_path):
+    """draft.init_std starts the trained head's linears from normal(0, init_std) (one step at a vanishing lr keeps
+    them there); the default run's fc has Kaiming uniform's std, 1 / sqrt(3 fan_in)."""
+    from specdistill.pipeline import distill_candidate
+
+    root, data, ref = straight
+    out = tmp_path / "normal"
+    settings = (*EAGLE3, *COMMON, "train.max_steps=1", "train.eval_every=1", "train.lr=1e-9")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
+        distill_candidate(
+            train_config(out, *settings, "draft.init_std=0.02", "draft.norm_from_target=false"), "draft", data
+        )
+    fc = final_weights(out / "candidates" / "draft", 1)["fc.weight"]
+    assert fc.std().item() == pytest.approx(0.02, rel=0.1)
+    default = final_weights(ref, 3)["fc.weight"]
+    assert default.std().item() > 2 * 0.02  # 1 / sqrt(3 * 96) = 0.059 at the start, 3 small steps before this
+
+
 def test_a_token_bound_trains_a_packed_eagle3_head_in_several_passes_like_one(straight, tmp_path):
     """train.max_micro_batch_tokens with packed sequences (draft.pack_sequences): every sequence of a micro-batch
     in its own forward and backward pass, the steps of the packed micro-batches in one pass."""
