@@ -729,6 +729,83 @@ def loader_check(folder: Path, target, tokens: list[int], ours=None) -> dict:
     }
 
 
+def loss_check(folder: Path, target, rows: list[dict], *, ttt_decay: float = 1.0, their_rows: bool = False) -> dict:
+    """Both trainers' loss on one packed batch of `rows` ({"input_ids", "prompt_len"}) from one head (the folder
+    speculators saved, in the engines' layout: ours reads it with `Eagle3Draft.from_pretrained`), the teacher the
+    target online, fp32: the gradient of every parameter both train, as the cosine between the two and the ratio of
+    their norms. Each side computes the batch as its trainer does: ours `distill.eagle3.eagle3_loss` (the sum over
+    the batch's rows / its response tokens), theirs `Eagle3DraftModel.forward` on the rows `shift_batch` makes and
+    its collate packs (the mean over its loss-mask rows, per unrolled step).
+
+    The rows each side trains differ by design, and `their_rows` says whose theirs uses. False (the default): their
+    loss mask is built to hold our rows, step-0 row t where token t + 2 (the one it predicts) is a response token
+    and the target's argmax at t + 1 lies in the draft vocabulary; then the gradients must be proportional (the
+    ratio is our response-token count against their masked rows'). True: their own, row t where token t + 1 (the
+    one it reads) is a response token, whatever the argmax."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    from distill.batches import IGNORE
+    from distill.config import DistillConfig
+    from distill.eagle3 import collate_eagle3, draft_targets, eagle3_loss, frozen_embedding
+    from distill.students import DraftConfig
+    from specdec_runtime.eagle3 import Eagle3Draft, target_aux_forward
+
+    ours = Eagle3Draft.from_pretrained(folder, dtype=torch.float32).train()
+    ours.lm_head.weight.requires_grad_(False)  # frozen on both sides
+    config = Eagle3SpeculatorConfig.from_pretrained(folder)
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    theirs = Eagle3DraftModel.from_pretrained(folder, config=config).float().train()
+    theirs._load_verifier_weights(overwrite_embed_tokens=True)
+    depth = config.speculators_config.proposal_methods[0].speculative_tokens
+    aux_layers = ours.aux_layers(target.config.num_hidden_layers)
+
+    batch = collate_eagle3(rows, max_seq_len=1 << 30, pad_id=0, topk=False)
+    items = int((batch["labels"] != IGNORE).sum())
+    draft_cfg = DraftConfig(init="eagle3", ttt_depth=depth, ttt_decay=ttt_decay, pack_sequences=True)
+    embed, online = frozen_embedding(target, "cpu"), DistillConfig(teacher="online")
+    eagle3_loss(ours, embed, target, batch, items, draft_cfg, online, None, aux_layers=aux_layers).backward()
+
+    # theirs: per row what its offline format stores (aux states, the last pre-norm state, the loss mask), through
+    # its shift_batch, then concatenated with document ids as its collate packs them
+    last = {}
+    hook = target.base_model.norm.register_forward_pre_hook(lambda _, args: last.update(h=args[0]))
+    parts = []
+    try:
+        for d, row in enumerate(rows):
+            ids = torch.tensor([row["input_ids"]])
+            T = ids.shape[1]
+            with torch.no_grad():
+                logits, aux = target_aux_forward(target, ids, aux_layers)
+            response = torch.arange(T)[None] >= row["prompt_len"]  # (1, T)
+            if their_rows:
+                mask = response[:, 1:]
+            else:  # their row t reads mask[t + 1] after the shift; ours trains row t on token t + 2 and argmax t + 1
+                in_vocab = draft_targets(ours, logits.float(), None)[1]  # (1, T): the argmax at t in the vocabulary
+                mask = torch.cat([response[:, 2:] & in_vocab[:, 1:-1], response.new_zeros(1, 1)], 1)
+            parts.append((aux[:, :-1], ids[:, 1:], torch.full((1, T - 1), d), mask, last["h"].float()[:, 1:]))
+    finally:
+        hook.remove()
+    aux, ids, docs, mask, states = (torch.cat(x, 1) for x in zip(*parts))
+    position = torch.cat([torch.arange(1, ids.shape[1] + 1)[None] for ids in (p[1] for p in parts)], 1)
+    loss = theirs(
+        aux, ids, docs, loss_mask=mask, position_ids=position, verifier_last_hidden_states=states, ttt_steps=depth,
+        ttt_step_loss_decay=ttt_decay, loss_config=resolve_loss_config("kl_div", "eager"),
+    )[1]  # fmt: skip
+    loss.backward()
+
+    theirs_params = dict(theirs.named_parameters())
+    grads = {}
+    for name, p in ours.named_parameters():
+        q = theirs_params[name.replace("midlayer.", "layers.0.").replace("fc.norm.", "input_norm.")]
+        if p.grad is None or q.grad is None:
+            continue
+        g, h = p.grad.flatten().double(), q.grad.flatten().double()
+        grads[name] = {"cosine": float(g @ h / (g.norm() * h.norm())), "ratio": float(g.norm() / h.norm())}
+    return {"grads": grads, "our_rows": items, "their_rows": int(mask.sum()), "depth": depth}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Eval: every head against target-only, and each pair's heads against each other, on the same prompts
 

@@ -130,6 +130,31 @@ def test_a_head_read_with_a_wrong_variant_fails_both_checks(speculators, bench, 
             assert_conforms(misread, theirs, model)
 
 
+def test_both_trainers_compute_the_same_gradient_on_the_same_rows(speculators, bench, target, tmp_path):
+    """One head, one packed batch of three sequences, the target online: our EAGLE-3 loss and speculators' give
+    the same gradient, up to one factor for all parameters (their mean over the rows they train, per unrolled step,
+    against our sum over the response tokens), when their loss mask holds our rows. With their own rows (one place
+    earlier, whatever the target's argmax) the gradients part: the check can fail, and the rows are the one
+    difference between the two losses."""
+    model, folder = target
+    flags = {k: v for k, v in ENGINE_LAYOUT.items() if k != "sliding_window"}
+    speculators_head(speculators, folder, tmp_path / "head", sliding_window=None, **flags)
+    gen = torch.Generator().manual_seed(7)
+    rows = [
+        {"input_ids": torch.randint(3, 259, (n,), generator=gen).tolist(), "prompt_len": p}
+        for n, p in ((23, 9), (15, 4), (30, 12))
+    ]
+    for decay in (1.0, 0.8):
+        check = bench.loss_check(tmp_path / "head", model, rows, ttt_decay=decay)
+        assert 0 < check["their_rows"] < check["our_rows"], check  # some argmax outside the 24-id vocabulary
+        assert set(check["grads"]) >= {"fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight"}
+        for name, grad in check["grads"].items():
+            assert grad["cosine"] > 1 - 1e-6, (decay, name, grad)
+            assert grad["ratio"] == pytest.approx(check["their_rows"] / check["our_rows"], rel=1e-4), (name, grad)
+    native = bench.loss_check(tmp_path / "head", model, rows, ttt_decay=0.8, their_rows=True)
+    assert min(g["cosine"] for g in native["grads"].values()) < 0.999, native
+
+
 def test_a_sliding_window_hides_keys_that_far_back(speculators, target, tmp_path):
     """speculators' default layer attends within a sliding window: with a window of 3 the first rows of a prompt
     (where both conventions agree: a row at position t sees positions t - 2 .. t) match, and differ from the same
