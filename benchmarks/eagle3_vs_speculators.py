@@ -244,6 +244,48 @@ def write_speculators_data(target, cand, data, out: Path) -> dict:
     return info
 
 
+ROWS = ("own", "ours", "next", "in-vocab")
+
+
+def rows_mask(response: torch.Tensor, in_vocab: torch.Tensor, rows: str) -> torch.Tensor:
+    """speculators' loss mask (T,) as its offline format stores it, before its shift_batch, that trains `rows`, from
+    response (T,) (token t is a response token) and in_vocab (T,) (the target's argmax at position t lies in the
+    draft vocabulary). Its shift_batch trains row t when mask[t + 1] is set, row t predicting token t + 2 from the
+    target's distribution at t + 1. `own`: its own rows, token t + 1 (the one the row reads) a response token; `ours`
+    (`distill.eagle3.unrolled_steps`): token t + 2 (the one it predicts) a response token and the argmax at t + 1 in
+    the vocabulary; `next`: the first half only; `in-vocab`: its own rows less those whose argmax lies outside."""
+    if rows not in ROWS:
+        raise ValueError(f"rows must be one of {ROWS}, not {rows!r}")
+    mask = response if rows in ("own", "in-vocab") else torch.cat([response[1:], response.new_zeros(1)])
+    return mask & in_vocab if rows in ("ours", "in-vocab") else mask
+
+
+def their_rows_dataset(target, spec_data: dict, rows: str) -> str:
+    """A copy of speculators' dataset (the `datasets` folder; the hidden states are shared) whose loss mask holds
+    `rows_mask(.., rows)` instead of its own (--their-rows), for an arm of their trainer that differs from theirs in
+    the rows trained only. The argmax is the target's, computed once more here; a rerun finds the copy by its
+    marker."""
+    import datasets
+
+    out = Path(spec_data["path"]).with_name(f"dataset-rows-{rows}")
+    marker, key = out / ".complete", json.dumps({"rows": rows, "data": spec_data["path"], "d2t": spec_data["d2t"]})
+    if marker.is_file() and marker.read_text() == key:
+        return str(out)
+    t2d = torch.from_numpy(np.load(spec_data["t2d"])).bool()
+    table = datasets.load_from_disk(spec_data["path"]).with_format(None)
+    masks = []
+    for ids, own in zip(table["input_ids"], table["loss_mask"]):
+        with torch.inference_mode():
+            in_vocab = t2d[target(input_ids=torch.tensor([ids])).logits[0].argmax(-1)]  # (T,)
+        masks.append(rows_mask(torch.tensor(own, dtype=torch.bool), in_vocab, rows).long().tolist())
+    copy = datasets.Dataset.from_dict({"input_ids": table["input_ids"], "loss_mask": masks})
+    copy = copy.add_column("seq_len", table["seq_len"])
+    copy.set_format("torch")  # as write_speculators_data saves it
+    copy.save_to_disk(str(out))
+    marker.write_text(key)
+    return str(out)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The two recipes of each pair
 
@@ -515,9 +557,12 @@ def their_packing(data_path: str, rows: int, steps: int, tokens_per_step: float,
         S = max(S + 1, round(S * 1.02))
 
 
-def their_spec(tag: str, flags: list, save: Path, steps: int, spec_data: dict, tokens_per_step: float, seed: int):
-    """The spec of one speculators training (`run_speculators`): its flags and what its sampler needs."""
-    return {
+def their_spec(
+    tag: str, flags: list, save: Path, steps: int, spec_data: dict, tokens_per_step: float, seed: int, batch_size=0
+):
+    """The spec of one speculators training (`run_speculators`): its flags and what its sampler needs; with
+    `batch_size` (--their-batches ours) it draws our loop's batches instead of packing its own."""
+    spec = {
         "tag": tag,
         "flags": flags,
         "save": str(save),
@@ -527,6 +572,26 @@ def their_spec(tag: str, flags: list, save: Path, steps: int, spec_data: dict, t
         "tokens_per_step": tokens_per_step,
         "seed": seed,
     }
+    return spec | {"our_batches": batch_size} if batch_size else spec  # a finished training's spec stays its own
+
+
+def our_batches(data_path: str, rows: int, steps: int, batch_size: int, seed: int) -> tuple[list, int, int]:
+    """(per epoch the batches of training rows our loop draws, `distill.batches`: one process, grad_accum 1; the
+    --total-seq-len that holds the largest of the first `steps`; the epochs they span). Their training split is
+    our training rows in our order (`write_speculators_data`), so a row index means the same row on both sides."""
+    import datasets
+
+    from distill.batches import epoch_order
+
+    lengths = datasets.load_from_disk(data_path).with_format(None)["seq_len"][:rows]
+    per_epoch = rows // batch_size
+    epochs = -(-steps // per_epoch)
+    batches = []
+    for epoch in range(epochs):
+        order = epoch_order(rows, seed, epoch)
+        batches.append([order[b * batch_size : (b + 1) * batch_size] for b in range(per_epoch)])
+    first = [b for epoch in batches for b in epoch][:steps]
+    return batches, max(sum(lengths[i] for i in b) for b in first), epochs
 
 
 def run_speculators(spec: dict) -> dict:
@@ -557,9 +622,24 @@ def run_speculators(spec: dict) -> dict:
             super().train_epoch(epoch, **kwargs)
             self.epochs[-1]["peak"] = peak_rss_mb()
 
-    S, epochs = their_packing(
-        spec["data_path"], spec["train_rows"], spec["steps"], spec["tokens_per_step"], spec["seed"]
-    )
+    if spec.get("our_batches"):  # --their-batches ours: its loop, model and loss on the rows of our steps
+        from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2 as Sampler
+
+        ours, S, epochs = our_batches(
+            spec["data_path"], spec["train_rows"], spec["steps"], spec["our_batches"], spec["seed"]
+        )
+        packed = Sampler._generate_batches
+
+        def generate(self, epoch):  # the training split's sampler only; validation keeps its packing
+            if len(self.lengths) != spec["train_rows"]:
+                return packed(self, epoch)
+            return [np.array(b) for b in ours[epoch]]
+
+        Sampler._generate_batches = generate
+    else:
+        S, epochs = their_packing(
+            spec["data_path"], spec["train_rows"], spec["steps"], spec["tokens_per_step"], spec["seed"]
+        )
     cli.Trainer = Measured
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pin_memory.*")  # no accelerator to pin for
@@ -729,7 +809,7 @@ def loader_check(folder: Path, target, tokens: list[int], ours=None) -> dict:
     }
 
 
-def loss_check(folder: Path, target, rows: list[dict], *, ttt_decay: float = 1.0, their_rows: bool = False) -> dict:
+def loss_check(folder: Path, target, rows: list[dict], *, ttt_decay: float = 1.0, their_rows: str = "ours") -> dict:
     """Both trainers' loss on one packed batch of `rows` ({"input_ids", "prompt_len"}) from one head (the folder
     speculators saved, in the engines' layout: ours reads it with `Eagle3Draft.from_pretrained`), the teacher the
     target online, fp32: the gradient of every parameter both train, as the cosine between the two and the ratio of
@@ -737,11 +817,9 @@ def loss_check(folder: Path, target, rows: list[dict], *, ttt_decay: float = 1.0
     the batch's rows / its response tokens), theirs `Eagle3DraftModel.forward` on the rows `shift_batch` makes and
     its collate packs (the mean over its loss-mask rows, per unrolled step).
 
-    The rows each side trains differ by design, and `their_rows` says whose theirs uses. False (the default): their
-    loss mask is built to hold our rows, step-0 row t where token t + 2 (the one it predicts) is a response token
-    and the target's argmax at t + 1 lies in the draft vocabulary; then the gradients must be proportional (the
-    ratio is our response-token count against their masked rows'). True: their own, row t where token t + 1 (the
-    one it reads) is a response token, whatever the argmax."""
+    The rows each side trains differ by design; `their_rows` names those theirs trains (`rows_mask`). With `ours`
+    (the default) the gradients must be proportional, the ratio their masked rows against our response tokens (the
+    counts each side divides by); with its own rows, one place earlier whatever the argmax, they are not."""
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
@@ -778,12 +856,9 @@ def loss_check(folder: Path, target, rows: list[dict], *, ttt_decay: float = 1.0
             T = ids.shape[1]
             with torch.no_grad():
                 logits, aux = target_aux_forward(target, ids, aux_layers)
-            response = torch.arange(T)[None] >= row["prompt_len"]  # (1, T)
-            if their_rows:
-                mask = response[:, 1:]
-            else:  # their row t reads mask[t + 1] after the shift; ours trains row t on token t + 2 and argmax t + 1
-                in_vocab = draft_targets(ours, logits.float(), None)[1]  # (1, T): the argmax at t in the vocabulary
-                mask = torch.cat([response[:, 2:] & in_vocab[:, 1:-1], response.new_zeros(1, 1)], 1)
+            response = torch.arange(T) >= row["prompt_len"]  # (T,)
+            in_vocab = draft_targets(ours, logits.float(), None)[1][0]  # (T,): the argmax at t in the vocabulary
+            mask = rows_mask(response, in_vocab, their_rows)[None, 1:]  # what its shift_batch keeps
             parts.append((aux[:, :-1], ids[:, 1:], torch.full((1, T - 1), d), mask, last["h"].float()[:, 1:]))
     finally:
         hook.remove()
@@ -919,6 +994,19 @@ def parse_args(argv: list[str] | None):
         "(repeatable, e.g. --ablate-speculators optimizer=adamw --ablate-speculators no-norm-before-fc), measured "
         "as one more arm of the same A/B",
     )
+    ap.add_argument(
+        "--their-rows",
+        choices=ROWS[1:],
+        help="the speculators ablation arm (--ablate-speculators, or alone the first pair's flags) trains the rows "
+        "this names instead of its own (`their_rows_dataset`): ours, next (the token predicted is a response token), "
+        "in-vocab (its rows whose target argmax lies in the draft vocabulary)",
+    )
+    ap.add_argument(
+        "--their-batches",
+        choices=["ours"],
+        help="the speculators ablation arm draws our loop's batches (our epoch order, train.batch_size sequences a "
+        "step, --total-seq-len raised to hold the largest) instead of packing its own",
+    )
     ap.add_argument("--smoke", action="store_true", help="random:tiny-llama, a few prompts and steps (the test)")
     ap.add_argument(
         "--retrain",
@@ -1001,13 +1089,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({' '.join(args.ablate)})", flush=True)
         ablated = our_spec(args, cand, args.pairs[0], tag, steps, data, args.ablate, pass_tokens)
         trainings[tag] = child(args, "ours", ablated)
-    if args.ablate_speculators:  # one more of theirs: the first pair's flags with these set
+    if args.their_rows:  # the ablation arm of theirs reads a copy of its data with other loss-mask rows
+        rows = their_rows_dataset(target, spec_data, args.their_rows)
+        args.ablate_speculators = [*(args.ablate_speculators or []), f"data-path={rows}"]
+    if their_changes(args):  # one more of theirs: the first pair's flags with these set
         tag, pair = f"{args.pairs[0]}-speculators-ablation", args.pairs[0]
-        print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({' '.join(args.ablate_speculators)})", flush=True)
+        print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({' '.join(their_changes(args))})", flush=True)
         save = args.out / "speculators" / f"{pair}-ablation" / "checkpoints"
-        flags = with_flags(their_flags(cand, pair, spec_data, verifier, save, steps, seed), args.ablate_speculators)
+        flags = with_flags(
+            their_flags(cand, pair, spec_data, verifier, save, steps, seed), args.ablate_speculators or []
+        )
+        size = cand.train.batch_size if args.their_batches else 0
         trainings[tag] = child(
-            args, "speculators", their_spec(tag, flags, save, steps, spec_data, tokens_per_step, seed)
+            args, "speculators", their_spec(tag, flags, save, steps, spec_data, tokens_per_step, seed, size)
         )
 
     probe = load_teacher_row(data.validation, cand.train.max_seq_len, limit=64)
@@ -1048,9 +1142,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.ablate and pair == args.pairs[0]:
             results[pair]["ablation"] = ablation_summary(args, trainings, measured, pair, "ours", args.ablate)
-        if args.ablate_speculators and pair == args.pairs[0]:
+        if their_changes(args) and pair == args.pairs[0]:
             results[pair]["speculators_ablation"] = ablation_summary(
-                args, trainings, measured, pair, "speculators", args.ablate_speculators
+                args, trainings, measured, pair, "speculators", their_changes(args)
             )
 
     settings = {
@@ -1082,6 +1176,12 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def their_changes(args) -> list[str]:
+    """What the speculators ablation arm changes: its flags (--ablate-speculators, --their-rows's data-path) and
+    `batches=ours` with --their-batches."""
+    return [*(args.ablate_speculators or []), *([f"batches={args.their_batches}"] if args.their_batches else [])]
 
 
 def ablation_summary(args, trainings: dict, measured: dict, pair: str, who: str, overrides: list[str]) -> dict:

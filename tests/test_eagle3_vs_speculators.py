@@ -133,9 +133,9 @@ def test_a_head_read_with_a_wrong_variant_fails_both_checks(speculators, bench, 
 def test_both_trainers_compute_the_same_gradient_on_the_same_rows(speculators, bench, target, tmp_path):
     """One head, one packed batch of three sequences, the target online: our EAGLE-3 loss and speculators' give
     the same gradient, up to one factor for all parameters (their mean over the rows they train, per unrolled step,
-    against our sum over the response tokens), when their loss mask holds our rows. With their own rows (one place
-    earlier, whatever the target's argmax) the gradients part: the check can fail, and the rows are the one
-    difference between the two losses."""
+    against our sum over the response tokens), when their loss mask holds our rows (`rows_mask(.., "ours")`, what
+    --their-rows ours trains on). With their own rows, or either half of the difference, the gradients part: the
+    check can fail, and the rows trained are the one difference between the two losses."""
     model, folder = target
     flags = {k: v for k, v in ENGINE_LAYOUT.items() if k != "sliding_window"}
     speculators_head(speculators, folder, tmp_path / "head", sliding_window=None, **flags)
@@ -151,8 +151,22 @@ def test_both_trainers_compute_the_same_gradient_on_the_same_rows(speculators, b
         for name, grad in check["grads"].items():
             assert grad["cosine"] > 1 - 1e-6, (decay, name, grad)
             assert grad["ratio"] == pytest.approx(check["their_rows"] / check["our_rows"], rel=1e-4), (name, grad)
-    native = bench.loss_check(tmp_path / "head", model, rows, ttt_decay=0.8, their_rows=True)
-    assert min(g["cosine"] for g in native["grads"].values()) < 0.999, native
+    for other in ("own", "next", "in-vocab"):
+        apart = bench.loss_check(tmp_path / "head", model, rows, ttt_decay=0.8, their_rows=other)
+        assert min(g["cosine"] for g in apart["grads"].values()) < 0.999, (other, apart)
+
+
+def test_the_rows_each_mask_trains():
+    """`rows_mask` on one sequence: which rows (after speculators' shift_batch drops mask[0], row t reads mask[t + 1])
+    each rule trains. Tokens 3..6 are the response, the target's argmax at position 4 lies outside the vocabulary."""
+    bench = load_benchmark("eagle3_vs_speculators")
+    response = torch.tensor([0, 0, 0, 1, 1, 1, 1], dtype=torch.bool)
+    in_vocab = torch.tensor([1, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    trained = {rows: bench.rows_mask(response, in_vocab, rows)[1:].nonzero().flatten().tolist() for rows in bench.ROWS}
+    # row t predicts token t + 2 from the distribution at t + 1
+    assert trained == {"own": [2, 3, 4, 5], "next": [1, 2, 3, 4], "in-vocab": [2, 4, 5], "ours": [1, 2, 4]}
+    with pytest.raises(ValueError, match="rows must be one of"):
+        bench.rows_mask(response, in_vocab, "mine")
 
 
 def test_a_sliding_window_hides_keys_that_far_back(speculators, target, tmp_path):
@@ -292,7 +306,7 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
     argv = ["--smoke", "--pairs", "recommended", "--out", str(out), "--json", str(out / "result.json")]
     argv += ["--training-seed", "3"]  # not the config's: it must reach both trainings
     argv += ["--ablate", "distill.teacher=online", "--ablate", "train.optimizer=muon"]
-    argv += ["--ablate-speculators", "optimizer=adamw"]
+    argv += ["--ablate-speculators", "optimizer=adamw", "--their-rows", "ours", "--their-batches", "ours"]
     assert bench.main(argv) == 0
     report = json.loads((out / "result.json").read_text())
     assert report["settings"]["smoke"] and report["data"]["train_rows"] > 0 and report["data"]["validation_rows"] > 0
@@ -343,12 +357,30 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
         assert 0 <= e["ablation"]["acceptance_rate"] <= 1, T
         for d in (e["minus_ours"], e["minus_speculators"]):
             assert d["acceptance_rate_ci"][0] <= d["acceptance_rate"] <= d["acceptance_rate_ci"][1]
-    # Their ablation: the pair's flags with AdamW for Muon, trained as its own head, the same A/B.
+    # Their ablation: the pair's flags with AdamW for Muon, on a copy of its data whose loss mask holds our rows
+    # (--their-rows ours), trained as its own head, the same A/B.
     ablated = report["pairs"]["recommended"]["speculators_ablation"]
-    assert (ablated["trainer"], ablated["overrides"]) == ("speculators", ["optimizer=adamw"])
+    rows = out / "speculators-data" / "dataset-rows-ours"
+    changes = ["optimizer=adamw", f"data-path={rows}", "batches=ours"]
+    assert (ablated["trainer"], ablated["overrides"]) == ("speculators", changes)
+    # --their-batches ours: its steps hold the rows of ours, so the same tokens step by step
+    ours_tokens = report["pairs"]["recommended"]["training"]["ours"]["mean_step_tokens"]
+    assert ablated["training"]["mean_step_tokens"] == pytest.approx(ours_tokens), ablated["training"]
     flags = json.loads((out / "children" / "recommended-speculators-ablation.spec.json").read_text())["flags"]
     own = [f.replace("/recommended/", "/recommended-ablation/") for f in their_spec["flags"]]  # its own folders
-    assert flags == bench.with_flags(own, ["optimizer=adamw"])
+    assert flags == bench.with_flags(own, ["optimizer=adamw", f"data-path={rows}"])
+    import datasets
+
+    original, copy = (
+        datasets.load_from_disk(str(p)).with_format(None) for p in (out / "speculators-data" / "dataset", rows)
+    )
+    assert copy["input_ids"] == original["input_ids"] and copy["seq_len"] == original["seq_len"]
+    for mask, response in zip(copy["loss_mask"], original["loss_mask"]):  # ours: one place later, less some rows
+        later = bench.rows_mask(
+            torch.tensor(response, dtype=torch.bool), torch.ones(len(mask), dtype=torch.bool), "next"
+        )
+        assert not (torch.tensor(mask, dtype=torch.bool) & ~later).any()
+    assert copy["loss_mask"] != original["loss_mask"]
     pair_heads = {t["head"] for t in report["pairs"]["recommended"]["training"].values() if isinstance(t, dict)}
     assert len(pair_heads) == 2 and ablated["training"]["head"] not in pair_heads
     for e in ablated["eval"].values():
