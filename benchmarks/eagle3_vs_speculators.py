@@ -85,7 +85,10 @@ per temperature, its paired differences against ours (what the overrides change)
 first pair's flags with these set (`optimizer=adamw` for `--optimizer adamw`, `no-norm-before-fc` for the switch;
 a flag the pair already sets is replaced), its differences against speculators (what the flags change) and ours.
 Ablating their recipe towards ours, one choice at a time, finds which of its choices their acceptance comes from
-before any of them is built into our trainer.
+before any of them is built into our trainer. Two more settings of that arm change what it trains on, not its
+recipe: --their-rows (a copy of its dataset whose loss mask holds other rows, ours among them: `rows_mask`) and
+--their-batches ours (its sampler draws our loop's batches, the same rows in each step as ours). `loss_check` is
+the step itself: both trainers' gradients on one batch from one head (a test keeps them proportional on our rows).
 
 Training seed (--training-seed N): both trainers' seed (ours' config `seed`, speculators' --seed: the head's
 initialisation and the order of the batches); by default the config's. The eval's intervals hold the prompts' and
