@@ -88,7 +88,9 @@ Ablating their recipe towards ours, one choice at a time, finds which of its cho
 before any of them is built into our trainer. Two more settings of that arm change what it trains on, not its
 recipe: --their-rows (a copy of its dataset whose loss mask holds other rows, ours among them: `rows_mask`) and
 --their-batches ours (its sampler draws our loop's batches, the same rows in each step as ours). `loss_check` is
-the step itself: both trainers' gradients on one batch from one head (a test keeps them proportional on our rows).
+the step itself: both trainers' gradients on one batch from one head (a test keeps them proportional on our rows);
+`trajectory_check` the steps that follow, each trainer's loss, clipping and optimizer from one head on the same
+batches, the weights compared after every step (a test keeps them together and parts them with another update).
 
 Training seed (--training-seed N): both trainers' seed (ours' config `seed`, speculators' --seed: the head's
 initialisation and the order of the batches); by default the config's. The eval's intervals hold the prompts' and
@@ -812,26 +814,13 @@ def loader_check(folder: Path, target, tokens: list[int], ours=None) -> dict:
     }
 
 
-def loss_check(folder: Path, target, rows: list[dict], *, ttt_decay: float = 1.0, their_rows: str = "ours") -> dict:
-    """Both trainers' loss on one packed batch of `rows` ({"input_ids", "prompt_len"}) from one head (the folder
-    speculators saved, in the engines' layout: ours reads it with `Eagle3Draft.from_pretrained`), the teacher the
-    target online, fp32: the gradient of every parameter both train, as the cosine between the two and the ratio of
-    their norms. Each side computes the batch as its trainer does: ours `distill.eagle3.eagle3_loss` (the sum over
-    the batch's rows / its response tokens), theirs `Eagle3DraftModel.forward` on the rows `shift_batch` makes and
-    its collate packs (the mean over its loss-mask rows, per unrolled step).
-
-    The rows each side trains differ by design; `their_rows` names those theirs trains (`rows_mask`). With `ours`
-    (the default) the gradients must be proportional, the ratio their masked rows against our response tokens (the
-    counts each side divides by); with its own rows, one place earlier whatever the argmax, they are not."""
-    from speculators.losses import resolve_loss_config
+def both_heads(folder: Path, target) -> tuple:
+    """(ours, theirs, TTT depth, aux layers): one head (the folder speculators saved, in the engines' layout) read by
+    both trainers' model classes, fp32, training mode, lm_head frozen on both sides."""
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
 
-    from distill.batches import IGNORE
-    from distill.config import DistillConfig
-    from distill.eagle3 import collate_eagle3, draft_targets, eagle3_loss, frozen_embedding
-    from distill.students import DraftConfig
-    from specdec_runtime.eagle3 import Eagle3Draft, target_aux_forward
+    from specdec_runtime.eagle3 import Eagle3Draft
 
     ours = Eagle3Draft.from_pretrained(folder, dtype=torch.float32).train()
     ours.lm_head.weight.requires_grad_(False)  # frozen on both sides
@@ -840,13 +829,39 @@ def loss_check(folder: Path, target, rows: list[dict], *, ttt_decay: float = 1.0
     theirs = Eagle3DraftModel.from_pretrained(folder, config=config).float().train()
     theirs._load_verifier_weights(overwrite_embed_tokens=True)
     depth = config.speculators_config.proposal_methods[0].speculative_tokens
-    aux_layers = ours.aux_layers(target.config.num_hidden_layers)
+    return ours, theirs, depth, ours.aux_layers(target.config.num_hidden_layers)
+
+
+def matched_params(ours, theirs) -> dict:
+    """{our name: (our parameter, theirs)} for every parameter both train."""
+    theirs_params = dict(theirs.named_parameters())
+    pairs = {}
+    for name, p in ours.named_parameters():
+        q = theirs_params[name.replace("midlayer.", "layers.0.").replace("fc.norm.", "input_norm.")]
+        if p.requires_grad and q.requires_grad:
+            pairs[name] = (p, q)
+    return pairs
+
+
+def both_losses(ours, theirs, target, rows: list[dict], depth: int, aux_layers, *, ttt_decay, their_rows) -> tuple:
+    """(our loss, theirs, our response tokens, their masked rows) on one packed batch of `rows` ({"input_ids",
+    "prompt_len"}), the teacher the target online, each side as its trainer computes it: ours
+    `distill.eagle3.eagle3_loss` (the sum over the batch's rows / its response tokens), theirs
+    `Eagle3DraftModel.forward` on the rows `shift_batch` makes and its collate packs with document ids (the mean over
+    its loss-mask rows, per unrolled step), its mask holding `rows_mask(.., their_rows)`."""
+    from speculators.losses import resolve_loss_config
+
+    from distill.batches import IGNORE
+    from distill.config import DistillConfig
+    from distill.eagle3 import collate_eagle3, draft_targets, eagle3_loss, frozen_embedding
+    from distill.students import DraftConfig
+    from specdec_runtime.eagle3 import target_aux_forward
 
     batch = collate_eagle3(rows, max_seq_len=1 << 30, pad_id=0, topk=False)
     items = int((batch["labels"] != IGNORE).sum())
     draft_cfg = DraftConfig(init="eagle3", ttt_depth=depth, ttt_decay=ttt_decay, pack_sequences=True)
     embed, online = frozen_embedding(target, "cpu"), DistillConfig(teacher="online")
-    eagle3_loss(ours, embed, target, batch, items, draft_cfg, online, None, aux_layers=aux_layers).backward()
+    our_loss = eagle3_loss(ours, embed, target, batch, items, draft_cfg, online, None, aux_layers=aux_layers)
 
     # theirs: per row what its offline format stores (aux states, the last pre-norm state, the loss mask), through
     # its shift_batch, then concatenated with document ids as its collate packs them
@@ -867,21 +882,82 @@ def loss_check(folder: Path, target, rows: list[dict], *, ttt_decay: float = 1.0
         hook.remove()
     aux, ids, docs, mask, states = (torch.cat(x, 1) for x in zip(*parts))
     position = torch.cat([torch.arange(1, ids.shape[1] + 1)[None] for ids in (p[1] for p in parts)], 1)
-    loss = theirs(
+    their_loss = theirs(
         aux, ids, docs, loss_mask=mask, position_ids=position, verifier_last_hidden_states=states, ttt_steps=depth,
         ttt_step_loss_decay=ttt_decay, loss_config=resolve_loss_config("kl_div", "eager"),
     )[1]  # fmt: skip
-    loss.backward()
+    return our_loss, their_loss, items, int(mask.sum())
 
-    theirs_params = dict(theirs.named_parameters())
+
+def loss_check(folder: Path, target, rows: list[dict], *, ttt_decay: float = 1.0, their_rows: str = "ours") -> dict:
+    """Both trainers' loss on one packed batch of `rows` from one head (`both_heads`, `both_losses`), fp32: the
+    gradient of every parameter both train, as the cosine between the two and the ratio of their norms.
+
+    The rows each side trains differ by design; `their_rows` names those theirs trains (`rows_mask`). With `ours`
+    (the default) the gradients must be proportional, the ratio their masked rows against our response tokens (the
+    counts each side divides by); with its own rows, one place earlier whatever the argmax, they are not."""
+    ours, theirs, depth, aux_layers = both_heads(folder, target)
+    our_loss, their_loss, items, masked = both_losses(
+        ours, theirs, target, rows, depth, aux_layers, ttt_decay=ttt_decay, their_rows=their_rows
+    )
+    (our_loss + their_loss).backward()  # disjoint graphs: each model gets its own loss's gradient
     grads = {}
-    for name, p in ours.named_parameters():
-        q = theirs_params[name.replace("midlayer.", "layers.0.").replace("fc.norm.", "input_norm.")]
+    for name, (p, q) in matched_params(ours, theirs).items():
         if p.grad is None or q.grad is None:
             continue
         g, h = p.grad.flatten().double(), q.grad.flatten().double()
         grads[name] = {"cosine": float(g @ h / (g.norm() * h.norm())), "ratio": float(g.norm() / h.norm())}
-    return {"grads": grads, "our_rows": items, "their_rows": int(mask.sum()), "depth": depth}
+    return {"grads": grads, "our_rows": items, "their_rows": masked, "depth": depth}
+
+
+def trajectory_check(
+    folder: Path, target, batches: list[list[dict]], *, optimizer: str = "muon", lr: float = 1e-3, ttt_decay=1.0
+) -> list[dict]:
+    """Both trainers' optimizer steps from one head on the same batches, their masks holding our rows: per step,
+    the largest over parameters of |ours - theirs| / |theirs - start| (the weights' difference against how far
+    they moved) and the two gradient norms before clipping. Each side steps as its trainer does: its loss, clipping
+    at 1, then its optimizer as it builds it (`train.optimizers.build_optimizer`; speculators'
+    `build_optimizers`), with one setting for both (`optimizer`, `lr` for AdamW and Muon, Muon's weight decay 0.1
+    and AdamW's 0.01, speculators' defaults) and no schedule. Our loss is scaled by the counts' ratio (their mean
+    over the rows against our sum over response tokens, `loss_check`), so both sides start each step from the same
+    gradient and what is compared is the update: the same optimizer keeps the weights together to float rounding,
+    a different one parts them."""
+    from types import SimpleNamespace
+
+    from speculators.train.optimizers import build_optimizers
+
+    from train.optimizers import build_optimizer
+
+    ours, theirs, depth, aux_layers = both_heads(folder, target)
+    pairs = matched_params(ours, theirs)
+    start = {name: q.detach().clone() for name, (_, q) in pairs.items()}
+    settings = dict(optimizer=optimizer, lr=lr, weight_decay=0.01, muon_weight_decay=0.1)
+    our_opt = build_optimizer(ours, SimpleNamespace(**settings))
+    their_opts = build_optimizers(
+        theirs,
+        SimpleNamespace(
+            **settings, muon_lr=lr, muon_momentum=0.95, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw"
+        ),
+    )
+    steps = []
+    for rows in batches:
+        our_loss, their_loss, items, masked = both_losses(
+            ours, theirs, target, rows, depth, aux_layers, ttt_decay=ttt_decay, their_rows="ours"
+        )
+        our_loss = our_loss * (items / max(masked, 1))  # their gradient exactly (`loss_check`): the update compared
+        our_opt.zero_grad()
+        for opt in their_opts:
+            opt.zero_grad()
+        (our_loss + their_loss).backward()
+        norms = [float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)) for m in (ours, theirs)]
+        our_opt.step()
+        for opt in their_opts:
+            opt.step()
+        with torch.no_grad():
+            apart = {n: float((p - q).norm() / (q - start[n]).norm().clamp(min=1e-30)) for n, (p, q) in pairs.items()}
+        worst = max(apart, key=apart.get)
+        steps.append({"apart": apart[worst], "param": worst, "grad_norm_ours": norms[0], "grad_norm_theirs": norms[1]})
+    return steps
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -156,6 +156,37 @@ def test_both_trainers_compute_the_same_gradient_on_the_same_rows(speculators, b
         assert min(g["cosine"] for g in apart["grads"].values()) < 0.999, (other, apart)
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_both_trainers_take_the_same_steps_from_one_head(speculators, bench, target, tmp_path, monkeypatch, optimizer):
+    """`trajectory_check`: from one head, on the same three batches, our optimizer step and speculators' keep the
+    weights together (their difference a small fraction of how far they moved); a deliberately different update
+    (their learning rate doubled) must part them. AdamW agrees to float rounding (~1e-5 here); Muon to a few per
+    cent (~0.04 here): its Newton-Schulz iterations run in bf16 and map every singular value of the update to ~1,
+    so the fp32 rounding in the gradients' smallest directions reaches the whole update."""
+    import speculators.train.optimizers as their_optimizers
+
+    model, folder = target
+    flags = {k: v for k, v in ENGINE_LAYOUT.items() if k != "sliding_window"}
+    speculators_head(speculators, folder, tmp_path / "head", sliding_window=None, **flags)
+    gen = torch.Generator().manual_seed(11)
+    batches = [
+        [{"input_ids": torch.randint(3, 259, (n,), generator=gen).tolist(), "prompt_len": n // 3} for n in (21, 14, 27)]
+        for _ in range(3)
+    ]
+    steps = bench.trajectory_check(tmp_path / "head", model, batches, optimizer=optimizer)
+    assert len(steps) == 3 and all(s["grad_norm_ours"] > 0 for s in steps)
+    assert max(s["apart"] for s in steps) < {"adamw": 1e-3, "muon": 0.1}[optimizer], steps
+
+    real = their_optimizers.build_optimizers
+    monkeypatch.setattr(
+        their_optimizers,
+        "build_optimizers",
+        lambda model, cfg: real(model, type(cfg)(**{**vars(cfg), "lr": 2 * cfg.lr, "muon_lr": 2 * cfg.muon_lr})),
+    )
+    broken = bench.trajectory_check(tmp_path / "head", model, batches, optimizer=optimizer)
+    assert max(s["apart"] for s in broken) > 0.3, broken
+
+
 def test_the_rows_each_mask_trains():
     """`rows_mask` on one sequence: which rows (after speculators' shift_batch drops mask[0], row t reads mask[t + 1])
     each rule trains. Tokens 3..6 are the response, the target's argmax at position 4 lies outside the vocabulary."""
