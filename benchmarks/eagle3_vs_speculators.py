@@ -920,8 +920,8 @@ def trajectory_check(
     `build_optimizers`), with one setting for both (`optimizer`, `lr` for AdamW and Muon, Muon's weight decay 0.1
     and AdamW's 0.01, speculators' defaults) and no schedule. Our loss is scaled by the counts' ratio (their mean
     over the rows against our sum over response tokens, `loss_check`), so both sides start each step from the same
-    gradient and what is compared is the update: the same optimizer keeps the weights together to float rounding,
-    a different one parts them."""
+    gradient and what is compared is the update: the same optimizer keeps the weights together (AdamW to float
+    rounding; Muon to a few per cent, its Newton-Schulz iterations in bf16), a different one parts them."""
     from types import SimpleNamespace
 
     from speculators.train.optimizers import build_optimizers
