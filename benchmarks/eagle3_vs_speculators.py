@@ -146,6 +146,94 @@ def peak_rss_mb() -> float:
     return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
+class StepLog:
+    """Per optimizer step of a whole training in its real loop (`--step-log`), for every parameter stepped: the
+    learning rate, the norm of its gradient as the optimizer reads it (after clipping) and the norm of its change,
+    and its norm after. Global optimizer hooks see every optimizer; a MuonAdamW's two halves, which step inside it,
+    are skipped (their parameters are logged with the whole). `name(module)` gives the parameters their names."""
+
+    KEYS = ("lr", "grad", "update", "norm")
+
+    def __init__(self):
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self.names: dict[int, str] = {}
+        self.rows: dict[str, dict[str, list[float]]] = {}
+        self._halves: set[int] = set()
+        self._before: dict[int, torch.Tensor] = {}
+        self._hooks = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+
+    def name(self, module: torch.nn.Module) -> None:
+        self.names.update({id(p): n for n, p in module.named_parameters()})
+
+    def _stepped(self, opt) -> list[tuple[float, torch.Tensor]]:
+        return [(g["lr"], p) for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+    def _pre(self, opt, args, kwargs) -> None:
+        self._halves.update(id(h) for h in getattr(opt, "halves", ()))
+        if id(opt) in self._halves:
+            return
+        for lr, p in self._stepped(opt):
+            self._before[id(p)] = p.detach().clone()
+            row = self.rows.setdefault(self.names.get(id(p), f"#{id(p)}"), {k: [] for k in self.KEYS})
+            row["lr"].append(float(lr))
+            row["grad"].append(float(p.grad.norm()))
+
+    @torch.no_grad()
+    def _post(self, opt, args, kwargs) -> None:
+        if id(opt) in self._halves:
+            return
+        for _, p in self._stepped(opt):
+            row = self.rows[self.names.get(id(p), f"#{id(p)}")]
+            row["update"].append(float((p - self._before.pop(id(p))).norm()))
+            row["norm"].append(float(p.norm()))
+
+    def close(self) -> dict:
+        for hook in self._hooks:
+            hook.remove()
+        return self.rows
+
+
+def their_name(ours: str) -> str:
+    """speculators' name of one of our head's parameters (the engines' layout against its module tree)."""
+    return ours.replace("midlayer.", "layers.0.").replace("fc.norm.", "input_norm.").replace("fc.proj.", "fc.")
+
+
+def compare_step_logs(ours: dict, theirs: dict, at=(1, 2, 3, 4, 10, 50, 100, 150, 200, 250, 299, 300)) -> dict:
+    """Two trainings' step logs (`StepLog`) side by side, per parameter both stepped: at the steps `at`, the two
+    learning rates, gradient norms (after clipping), update norms and weight norms; and over the whole run the
+    median of the ratio ours / theirs of each. The same algorithm on the same batches from the same head keeps
+    every ratio near 1; different ones part at the step and in the quantity that names the piece."""
+    out = {}
+    for name, o in ours.items():
+        t = theirs.get(their_name(name))
+        if t is None:
+            continue
+        n = min(len(o["update"]), len(t["update"]))
+        ratios = {
+            k: statistics.median(a / b for a, b in zip(o[k][:n], t[k][:n]) if b) if n else None for k in StepLog.KEYS
+        }
+        steps = {s: {k: (o[k][s - 1], t[k][s - 1]) for k in StepLog.KEYS} for s in at if s <= n}
+        out[name] = {"steps": n, "median_ratio": ratios, "at": steps}
+    return out
+
+
+def print_step_logs(label: str, compared: dict) -> None:
+    print(f"\n### step logs: {label} (ours / theirs)\n")
+    print("| parameter | steps | median ratio: lr | grad | update | norm |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, c in compared.items():
+        r = c["median_ratio"]
+        cells = [f"{r[k]:.3f}" if r[k] is not None else "n/a" for k in StepLog.KEYS]
+        print(f"| {name} | {c['steps']} | " + " | ".join(cells) + " |")
+    for name, c in compared.items():
+        rows = ", ".join(
+            f"{s}: lr {v['lr'][0]:.2e}/{v['lr'][1]:.2e} g {v['grad'][0]:.3f}/{v['grad'][1]:.3f} "
+            f"u {v['update'][0]:.2e}/{v['update'][1]:.2e} w {v['norm'][0]:.2f}/{v['norm'][1]:.2f}"
+            for s, v in c["at"].items()
+        )
+        print(f"- {name}: {rows}")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Data: one teacher dataset, written in both formats
 
@@ -483,6 +571,10 @@ def run_ours(spec: dict) -> dict:
         return validate(*a, **kw)
 
     loop.DistillRecipe.train, loop.validation.validate = train_measured, validate_after_training
+    log = StepLog() if spec.get("step_log") else None
+    if log is not None:  # the student's names, from the loop's own call
+        build = loop.build_optimizer
+        loop.build_optimizer = lambda student, train_cfg: (log.name(student), build(student, train_cfg))[1]
     steps = []  # (optimizer, when) of every step; train.optimizer=muon steps its two halves inside its own step
     hook = register_optimizer_step_post_hook(lambda opt, *_: steps.append((opt, time.perf_counter())))
     cand = distill_candidate(cfg, spec["name"], TeacherData(Path(spec["train"]), Path(spec["validation"])))
@@ -497,7 +589,7 @@ def run_ours(spec: dict) -> dict:
         "process_peak_rss_mb": max(marks["setup_peak_rss_mb"], peak_rss_mb()),
         "head": str(cand / "checkpoints" / f"step-{len(ends):06d}"),
         "draft_vocab": json.loads((cand / "draft_vocab.json").read_text())["ids"],
-    }
+    } | ({"step_log": log.close()} if log is not None else {})
 
 
 def our_step_tokens(train: str | Path, max_seq_len: int, batch_size: int, seed: int, steps: int) -> list[int]:
@@ -607,11 +699,15 @@ def run_speculators(spec: dict) -> dict:
     import speculators.train.trainer as trainer
     from speculators.train.config import TrainConfig
 
+    log = StepLog() if spec.get("step_log") else None
+
     class Measured(cpu_trainer(trainer)):
         run = None  # the run's trainer, read once cli.main returns
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            if log is not None:
+                log.name(self.model)
             self.epochs, self.between = [], []  # per epoch its steps; the peaks outside them
             self.optimizers[-1].register_step_post_hook(lambda *_: self.epochs[-1]["ends"].append(time.perf_counter()))
             Measured.run = self
@@ -661,7 +757,7 @@ def run_speculators(spec: dict) -> dict:
         "head": str(save / str(epochs - 1)),  # its last epoch's checkpoint: the weights after the last step
         "epochs": epochs,
         "total_seq_len": S,
-    }
+    } | ({"step_log": log.close()} if log is not None else {})
 
 
 def our_code() -> str:
@@ -696,6 +792,7 @@ def our_spec(args, cand, pair: str, tag: str, steps: int, data, ablate: list[str
 
 def child(args, name: str, spec: dict) -> dict:
     """Run `--child name` in a fresh process with `spec`; returns its JSON result."""
+    spec = spec | ({"step_log": True} if args.step_log else {})  # a training with its step log is its own
     folder = args.out / "children"
     folder.mkdir(parents=True, exist_ok=True)
     spec_path, result = folder / f"{spec['tag']}.spec.json", folder / f"{spec['tag']}.json"
@@ -1100,6 +1197,14 @@ def parse_args(argv: list[str] | None):
         "default the config's, for both. Another seed, in its own --out, measures how much the trainings "
         "themselves move the comparison, which the eval's intervals (over prompts) do not hold",
     )
+    ap.add_argument(
+        "--step-log",
+        action="store_true",
+        help="log every optimizer step of every training (per parameter: lr, gradient norm after clipping, update "
+        "norm, weight norm: `StepLog`) and compare the trainers' logs step by step; a training with its log is "
+        "trained anew (its spec differs)",
+    )
+    ap.add_argument("--train-only", action="store_true", help="train (and with --step-log compare), do not measure")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument(
         "--optimizer-step",
@@ -1183,6 +1288,16 @@ def main(argv: list[str] | None = None) -> int:
             args, "speculators", their_spec(tag, flags, save, steps, spec_data, tokens_per_step, seed, size)
         )
 
+    if args.step_log:
+        logs = step_log_report(args, trainings)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"steps": steps, "training_seed": seed, "step_logs": logs}, indent=2))
+        if args.train_only:
+            return 0
+    elif args.train_only:
+        return 0
+
     probe = load_teacher_row(data.validation, cand.train.max_seq_len, limit=64)
     prompts = eval_prompts("builtin:test", tokenizer, args.prompts, trained_on=cfg.data)
     heads = {tag: Path(run["head"]) for tag, run in trainings.items()}
@@ -1255,6 +1370,39 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def step_log_report(args, trainings: dict) -> dict:
+    """Each pair's two step logs compared (ours / theirs), and an ablation arm against the other trainer's
+    ablation arm when both ran (the two trainers on one recipe), else against the other trainer's pair head."""
+    pair = args.pairs[0]
+    compared = {p: (f"{p}-ours", f"{p}-speculators") for p in args.pairs}
+    arms = [f"{pair}-{who}-ablation" for who in TRAINERS]
+    if any(arm in trainings for arm in arms):
+        compared["ablation"] = tuple(arm if arm in trainings else f"{pair}-{who}" for arm, who in zip(arms, TRAINERS))
+    report = {}
+    for label, (ours, theirs) in compared.items():
+        report[label] = {
+            "ours": ours,
+            "theirs": theirs,
+            "compared": compare_step_logs(trainings[ours]["step_log"], trainings[theirs]["step_log"]),
+            "validation_greedy_match_0": [validation_match(trainings[tag]) for tag in (ours, theirs)],
+        }
+        print_step_logs(f"{ours} / {theirs}", report[label]["compared"])
+        ours_match, their_match = report[label]["validation_greedy_match_0"]
+        print(f"validation, first draft step's greedy match: {ours_match} / {their_match}")
+    return report
+
+
+def validation_match(run: dict) -> float | None:
+    """A finished training's greedy match of its first draft step on the validation split, from its own logs: ours'
+    last `eval/greedy_match_0` in metrics.jsonl, speculators' `full_acc_0_epoch` of its last epoch's checkpoint
+    (the same response tokens, each trainer's own rows)."""
+    head = Path(run["head"])
+    if (head / "val_metrics.json").is_file():
+        return json.loads((head / "val_metrics.json").read_text()).get("full_acc_0_epoch")
+    rows = [json.loads(line) for line in (head.parents[1] / "metrics.jsonl").read_text().splitlines()]
+    return next((r["eval/greedy_match_0"] for r in reversed(rows) if "eval/greedy_match_0" in r), None)
 
 
 def their_changes(args) -> list[str]:

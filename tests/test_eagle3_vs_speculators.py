@@ -187,6 +187,51 @@ def test_both_trainers_take_the_same_steps_from_one_head(speculators, bench, tar
     assert max(s["apart"] for s in broken) > 0.3, broken
 
 
+def test_the_step_log_records_each_step_once_and_tells_a_different_update(bench):
+    """`StepLog` (--step-log) around real optimizers: one row per step for every parameter stepped, MuonAdamW's two
+    halves not counted again, the learning rate it stepped with and the norm of the change it made. Two identical
+    runs compare at ratio 1 everywhere (`compare_step_logs`); the same run with the learning rate doubled, the
+    broken variant, must read 2 in the learning rate and in Muon's update (which is the lr times a fixed size)."""
+    from helpers.models import tiny_llama
+
+    from train.config import TrainConfig
+    from train.optimizers import build_optimizer
+
+    def run(lr: float, optimizer: str) -> dict:
+        model = tiny_llama(tie_word_embeddings=False)
+        opt = build_optimizer(model, TrainConfig(lr=lr, optimizer=optimizer, weight_decay=0.0, muon_weight_decay=0.0))
+        log = bench.StepLog()
+        log.name(model)
+        try:
+            for seed in range(3):
+                ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(seed))
+                model(input_ids=ids, labels=ids).loss.backward()
+                before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+                opt.step()
+                moved = float((model.model.layers[0].self_attn.q_proj.weight.detach() - before).norm())
+                opt.zero_grad()
+        finally:
+            rows = log.close()
+        q = rows["model.layers.0.self_attn.q_proj.weight"]
+        assert q["update"][-1] == pytest.approx(moved) and q["lr"] == [lr] * 3
+        return rows
+
+    ours = run(1e-3, "muon")
+    assert set(ours) == {n for n, _ in tiny_llama(tie_word_embeddings=False).named_parameters()}
+    assert all(len(row[k]) == 3 for row in ours.values() for k in bench.StepLog.KEYS)
+    same = bench.compare_step_logs(ours, run(1e-3, "muon"))
+    assert all(r == pytest.approx(1.0) for c in same.values() for r in c["median_ratio"].values()), same
+    doubled = bench.compare_step_logs(run(2e-3, "muon"), ours)
+    q = doubled["model.layers.0.self_attn.q_proj.weight"]["median_ratio"]
+    assert q["lr"] == pytest.approx(2.0) and q["update"] == pytest.approx(2.0, rel=0.05), doubled
+    names = ("fc.proj.weight", "fc.norm.weight", "midlayer.self_attn.q_proj.weight")
+    assert [bench.their_name(n) for n in names] == [
+        "fc.weight",
+        "input_norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+    ]
+
+
 def test_the_rows_each_mask_trains():
     """`rows_mask` on one sequence: which rows (after speculators' shift_batch drops mask[0], row t reads mask[t + 1])
     each rule trains. Tokens 3..6 are the response, the target's argmax at position 4 lies outside the vocabulary."""
