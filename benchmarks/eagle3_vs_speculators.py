@@ -194,6 +194,21 @@ class StepLog:
         return self.rows
 
 
+@torch.no_grad()
+def load_our_init(model: torch.nn.Module, path: str) -> None:
+    """Our head's initial weights (`save_init`) copied into speculators' model in place (its optimizers, built on
+    these parameters, have taken no step yet): every parameter it trains must have one of ours, but the RMSNorm
+    before fc, which ours lacks and which it starts at ones as ours would."""
+    from safetensors.torch import load_file
+
+    ours = {their_name(n): t for n, t in load_file(path).items()}
+    for name, p in model.named_parameters():
+        if name in ours:
+            p.copy_(ours[name])
+        elif p.requires_grad and name != "input_norm.weight":
+            raise SystemExit(f"--their-init ours: our head has no weight for speculators' {name}")
+
+
 def their_name(ours: str) -> str:
     """speculators' name of one of our head's parameters (the engines' layout against its module tree)."""
     return ours.replace("midlayer.", "layers.0.").replace("fc.norm.", "input_norm.").replace("fc.proj.", "fc.")
@@ -572,9 +587,18 @@ def run_ours(spec: dict) -> dict:
 
     loop.DistillRecipe.train, loop.validation.validate = train_measured, validate_after_training
     log = StepLog() if spec.get("step_log") else None
-    if log is not None:  # the student's names, from the loop's own call
-        build = loop.build_optimizer
-        loop.build_optimizer = lambda student, train_cfg: (log.name(student), build(student, train_cfg))[1]
+    build = loop.build_optimizer
+
+    def build_logged(student, train_cfg):  # the loop's own call, on the student it is about to train
+        if log is not None:
+            log.name(student)
+        if spec.get("save_init"):  # its initial weights, for speculators' arm to start from (--their-init ours)
+            from safetensors.torch import save_file
+
+            save_file({n: p.detach().contiguous() for n, p in student.named_parameters()}, spec["save_init"])
+        return build(student, train_cfg)
+
+    loop.build_optimizer = build_logged
     steps = []  # (optimizer, when) of every step; train.optimizer=muon steps its two halves inside its own step
     hook = register_optimizer_step_post_hook(lambda opt, *_: steps.append((opt, time.perf_counter())))
     cand = distill_candidate(cfg, spec["name"], TeacherData(Path(spec["train"]), Path(spec["validation"])))
@@ -708,6 +732,8 @@ def run_speculators(spec: dict) -> dict:
             super().__init__(*args, **kwargs)
             if log is not None:
                 log.name(self.model)
+            if spec.get("init_from"):  # --their-init ours: before its first step, the weights ours started from
+                load_our_init(self.model, spec["init_from"])
             self.epochs, self.between = [], []  # per epoch its steps; the peaks outside them
             self.optimizers[-1].register_step_post_hook(lambda *_: self.epochs[-1]["ends"].append(time.perf_counter()))
             Measured.run = self
@@ -1183,6 +1209,12 @@ def parse_args(argv: list[str] | None):
         help="the speculators ablation arm draws our loop's batches (our epoch order, train.batch_size sequences a "
         "step, --total-seq-len raised to hold the largest) instead of packing its own",
     )
+    ap.add_argument(
+        "--their-init",
+        choices=["ours"],
+        help="the speculators ablation arm starts from the very weights our ablation arm (--ablate) starts from, "
+        "copied into its model before its first step (`load_our_init`)",
+    )
     ap.add_argument("--smoke", action="store_true", help="random:tiny-llama, a few prompts and steps (the test)")
     ap.add_argument(
         "--retrain",
@@ -1224,6 +1256,8 @@ def parse_args(argv: list[str] | None):
             if key not in given:
                 setattr(args, key, value)
     args.config = args.config or (SMOKE_CONFIG if args.smoke else "configs/quickstart.yaml")
+    if args.their_init and not args.ablate:
+        ap.error("--their-init ours starts speculators' ablation arm from our ablation arm's weights: give --ablate")
     return args
 
 
@@ -1268,10 +1302,14 @@ def main(argv: list[str] | None = None) -> int:
                 spec = their_spec(tag, flags, save, steps, spec_data, tokens_per_step, seed)
             print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({steps} steps)", flush=True)
             trainings[tag] = child(args, who, spec)
+    our_init = None
     if args.ablate:  # one more of ours: the first pair's recipe with the overrides, an arm of the same A/B
         tag = f"{args.pairs[0]}-ours-ablation"
         print(f"[{time.perf_counter() - start:.0f} s] training {tag} ({' '.join(args.ablate)})", flush=True)
         ablated = our_spec(args, cand, args.pairs[0], tag, steps, data, args.ablate, pass_tokens)
+        if args.their_init:
+            our_init = str(args.out / "children" / f"{tag}.init.safetensors")
+            ablated["save_init"] = our_init
         trainings[tag] = child(args, "ours", ablated)
     if args.their_rows:  # the ablation arm of theirs reads a copy of its data with other loss-mask rows
         rows = their_rows_dataset(target, spec_data, args.their_rows)
@@ -1284,9 +1322,8 @@ def main(argv: list[str] | None = None) -> int:
             their_flags(cand, pair, spec_data, verifier, save, steps, seed), args.ablate_speculators or []
         )
         size = cand.train.batch_size if args.their_batches else 0
-        trainings[tag] = child(
-            args, "speculators", their_spec(tag, flags, save, steps, spec_data, tokens_per_step, seed, size)
-        )
+        spec = their_spec(tag, flags, save, steps, spec_data, tokens_per_step, seed, size)
+        trainings[tag] = child(args, "speculators", spec | ({"init_from": our_init} if our_init else {}))
 
     if args.step_log:
         logs = step_log_report(args, trainings)
@@ -1406,9 +1443,10 @@ def validation_match(run: dict) -> float | None:
 
 
 def their_changes(args) -> list[str]:
-    """What the speculators ablation arm changes: its flags (--ablate-speculators, --their-rows's data-path) and
-    `batches=ours` with --their-batches."""
-    return [*(args.ablate_speculators or []), *([f"batches={args.their_batches}"] if args.their_batches else [])]
+    """What the speculators ablation arm changes: its flags (--ablate-speculators, --their-rows's data-path),
+    `batches=ours` with --their-batches and `init=ours` with --their-init."""
+    extra = [f"batches={args.their_batches}"] if args.their_batches else []
+    return [*(args.ablate_speculators or []), *extra, *([f"init={args.their_init}"] if args.their_init else [])]
 
 
 def ablation_summary(args, trainings: dict, measured: dict, pair: str, who: str, overrides: list[str]) -> dict:
