@@ -93,6 +93,15 @@ class DraftConfig:
     norm_from_target: bool = True
     """eagle3: start the head's final norm at the target's final norm weights (lm_head starts at the target's rows);
     false starts it at ones, as speculators does."""
+    norm_before_residual: bool = False
+    """eagle3: the layer's residual taken after hidden_norm, not before it (a variant of speculators' trainer and
+    Eagle 3.1, which vLLM reads from the head's config.json); false is the engines' original EAGLE-3 layout."""
+    norm_before_fc: bool = False
+    """eagle3: an RMSNorm over the three concatenated aux states before fc (a variant of speculators' trainer)."""
+    norm_output: bool = False
+    """eagle3: later draft steps read the layer's normed output instead of its pre-norm one (a variant of
+    speculators' trainer). Our runtime computes all three variants; promotion refuses a head with
+    norm_before_fc or norm_output, which not every engine computes (docs/eval-and-serving.md)."""
     lookup_knobs: list[str] = field(default_factory=lambda: [""])
     """ngram / suffix: the knob settings the eval sweeps, each one candidate, spelled as on the command line: ngram
     'max=4,min=2' (prompt_lookup_max / _min), suffix 'depth=24,factor=1.0,prob=0.1,cached=1000' (tree depth,
@@ -168,6 +177,9 @@ class DraftConfig:
                 )
         if not 0 <= self.init_std < 1:
             raise ValueError(f"init_std must be in [0, 1) (0 = torch's default), got {self.init_std}")
+        variants = [k for k in ("norm_before_residual", "norm_before_fc", "norm_output") if getattr(self, k)]
+        if variants and self.init != "eagle3":
+            raise ValueError(f"{', '.join(variants)} only apply to init=eagle3, got init={self.init}")
         if self.init == "eagle3" and self.lora:
             raise ValueError("lora does not apply to init=eagle3 (the head is small and trains in full)")
         if self.draft_vocab_size < 1 or self.ttt_depth < 1 or not 0 < self.ttt_decay <= 1:

@@ -568,12 +568,18 @@ class Eagle3Draft(nn.Module):
         seed: int | None = None,
         init_std: float = 0.0,
         norm_from_target: bool = True,
+        variants: dict | None = None,
     ) -> Eagle3Draft:
         """A new head for `target`: random fc and midlayer (torch's default for a Linear, or with `init_std` > 0
         normal(0, init_std), as HF models and speculators start theirs), norm copied from the target's final norm
         (or ones with `norm_from_target` false), lm_head from the target's head rows of `draft_ids` (strictly
-        increasing target ids); fp32, on the target's device."""
+        increasing target ids); fp32, on the target's device. `variants`: `VARIANTS` keys to switch on (written
+        into its config.json only when on, so a head in the engines' layout keeps exactly shared/EAGLE3.md's keys)."""
         config = draft_config(target.config, draft_vocab_size=len(draft_ids), aux_layers=aux_layers)
+        unknown = set(variants or {}) - set(VARIANTS)
+        if unknown:
+            raise ValueError(f"unknown EAGLE-3 head variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
+        config |= {k: v for k, v in (variants or {}).items() if v != VARIANTS[k]}
         if seed is not None:
             torch.manual_seed(seed)
         model = cls(config).to(next(target.parameters()).device)

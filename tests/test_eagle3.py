@@ -544,6 +544,7 @@ def test_draft_config_validates_the_eagle3_keys():
         (dict(init="eagle3", ttt_depth=0), "ttt_depth"),
         (dict(init="eagle3", draft_vocab_size=0), "draft_vocab_size"),
         (dict(init="eagle3", init_std=-0.02), "init_std"),
+        (dict(init="truncate", norm_output=True), "norm_output only apply to init=eagle3"),
     ]:
         with pytest.raises(ValueError, match=match):
             DraftConfig(**bad)

@@ -111,6 +111,32 @@ def test_the_heads_initialisation_options_reach_the_training(straight, tmp_path)
     assert default.std().item() > 2 * 0.02  # 1 / sqrt(3 * 96) = 0.059 at the start, 3 small steps before this
 
 
+def test_the_head_variants_reach_the_trained_head(straight, tmp_path):
+    """draft.norm_before_residual / norm_before_fc / norm_output (speculators' head variants) build the head the
+    training steps (an RMSNorm before fc among its trained weights) and stay in its config.json, which our loader
+    reads back into the same layout; the default head has none of the three keys (the engines' layout)."""
+    from specdistill.pipeline import distill_candidate
+
+    root, data, ref = straight
+    out = tmp_path / "variants"
+    variants = ("draft.norm_before_residual=true", "draft.norm_before_fc=true", "draft.norm_output=true")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(root / "cache"))
+        distill_candidate(train_config(out, *EAGLE3, *COMMON, "train.max_steps=1", *variants), "draft", data)
+    step = out / "candidates" / "draft" / "checkpoints" / "step-000001"
+    config = json.loads((step / "config.json").read_text())
+    assert {k: config.get(k) for k in ("norm_before_residual", "norm_before_fc", "norm_output")} == dict.fromkeys(
+        ("norm_before_residual", "norm_before_fc", "norm_output"), True
+    )
+    weights = final_weights(out / "candidates" / "draft", 1)
+    assert {"fc.norm.weight", "fc.proj.weight"} <= set(weights) and "fc.weight" not in weights
+    assert not torch.equal(weights["fc.norm.weight"], torch.ones_like(weights["fc.norm.weight"]))  # it was trained
+    head = Eagle3Draft.from_pretrained(step)
+    assert head.norm_output and head.midlayer.norm_before_residual and hasattr(head.fc, "norm")
+    plain = json.loads((ref / "checkpoints" / "step-000003" / "config.json").read_text())
+    assert not {"norm_before_residual", "norm_before_fc", "norm_output"} & set(plain)
+
+
 def test_a_token_bound_trains_a_packed_eagle3_head_in_several_passes_like_one(straight, tmp_path):
     """train.max_micro_batch_tokens with packed sequences (draft.pack_sequences): every sequence of a micro-batch
     in its own forward and backward pass, the steps of the packed micro-batches in one pass."""
