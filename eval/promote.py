@@ -445,6 +445,15 @@ def check_draft(rec: dict, target: TargetView) -> None:
             f"{folder} is an EAGLE-3 head saved by the speculators package: eval measures it, but promotion does not "
             "export that format yet; serve it with vLLM from its own folder (docs/eval-and-serving.md)"
         )
+    # Our heads with speculators' other variants: the engines' EAGLE-3 layout has no fc norm weight (norm_before_fc)
+    # and feeds later steps the pre-norm output (norm_output). vLLM reads norm_before_residual from config.json.
+    unservable = [k for k in ("norm_before_fc", "norm_output") if config.get(k)]
+    if is_eagle3_folder(folder) and unservable:
+        raise UserError(
+            f"{folder} is an EAGLE-3 head trained with {' and '.join(unservable)}, which the serving engines' EAGLE-3 "
+            "layout does not compute: eval measures it, promotion does not export it; train it with "
+            f"{' and '.join(f'draft.{k}=false' for k in unservable)} to promote it (docs/eval-and-serving.md)"
+        )
     if is_eagle3_folder(folder):
         want = (target.config.vocab_size, target.config.hidden_size)
         if (config.get("vocab_size"), config.get("hidden_size")) != want:

@@ -620,3 +620,23 @@ def test_a_head_saved_by_speculators_is_refused_by_name(tmp_path):
     target = TargetView(SimpleNamespace(vocab_size=259, hidden_size=64), None)
     with pytest.raises(UserError, match="saved by the speculators package.*serve it with vLLM"):
         check_draft({"draft": str(folder)}, target)
+
+
+def test_a_head_with_a_variant_the_engines_do_not_compute_is_refused_by_name(tmp_path):
+    """Our head trained with draft.norm_before_fc or draft.norm_output (eval measures it) is refused naming the key
+    to train it without; norm_before_residual, which vLLM reads from config.json, goes on to the usual checks."""
+    from types import SimpleNamespace
+
+    from eval.promote import TargetView, check_draft
+
+    folder = tmp_path / "head"
+    folder.mkdir()
+    base = {"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": 259, "hidden_size": 64, "draft_vocab_size": 8}
+    target = TargetView(SimpleNamespace(vocab_size=259, hidden_size=64), None)
+    for variant in ("norm_before_fc", "norm_output"):
+        (folder / "config.json").write_text(json.dumps(base | {variant: True}))
+        with pytest.raises(UserError, match=f"trained with {variant}.*draft.{variant}=false"):
+            check_draft({"draft": str(folder)}, target)
+    (folder / "config.json").write_text(json.dumps(base | {"norm_before_residual": True, "hidden_size": 32}))
+    with pytest.raises(UserError, match="trained for another target"):  # past the variant check
+        check_draft({"draft": str(folder)}, target)
