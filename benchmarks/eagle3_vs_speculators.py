@@ -27,14 +27,15 @@ tokens per step on average (`their_packing`). Ours concatenates its batch's sequ
 (`draft.pack_sequences`, the default since this comparison found padding to cost 1.74x the real positions) unless
 the config says otherwise, and its unroll computes only the rows a loss reads (`distill.eagle3.trained_rows`: with
 the loss on response tokens, about 30 % of them; speculators computes every row).
-  same         our candidate's recipe on both sides: AdamW (no weight decay), warm-up then cosine to 0, step loss
+  same         our candidate's recipe on both sides, but AdamW (no weight decay), warm-up then cosine to 0, step loss
                weights ttt_decay^j, the head as the engines lay it out (residual before hidden_norm, no norm before
                fc, pre-norm outputs fed back, full attention); lm_head frozen and clipping at 1 (fixed in speculators);
                the loss on response tokens (its loss mask; distill.loss_on_prompt false). And no forward and
                backward pass holds more than --total-seq-len tokens: a step of ours holding more runs as passes
                within it (train.max_micro_batch_tokens: the same step, less memory).
   recommended  each trainer's own defaults for the rest: ours the config's EAGLE-3 candidate as it is (cosine to
-               train.min_lr_ratio; the quickstart's head also trains prompt tokens); speculators `speculators train
+               train.min_lr_ratio; the quickstart's head also trains prompt tokens, with Muon and the residual after
+               hidden_norm since this comparison found their lead there); speculators `speculators train
                --speculator-type eagle3` (Muon on the 2-D weights + AdamW with weight decay, linear schedule with
                1 % warm-up, step loss weights 1, residual after hidden_norm, an RMSNorm before fc, normed outputs
                fed back, a 2048-token sliding window).
@@ -429,6 +430,7 @@ def our_recipe(
         fixed |= {"train.optimizer": "adamw"}
         fixed |= {"draft.freeze_lm_head": True}
         fixed |= {"distill.loss_on_prompt": False}  # its loss mask: the response tokens (the quickstart's head: all)
+        fixed |= {f"draft.{k}": False for k in ("norm_before_residual", "norm_before_fc", "norm_output")}  # its flags
         if pass_tokens:  # a step of ours holds train.batch_size sequences whatever their length; its passes do not
             fixed |= {"train.max_micro_batch_tokens": pass_tokens}
     for key, value in fixed.items():
@@ -502,6 +504,18 @@ def with_flags(flags: list[str], settings: list[str]) -> list[str]:
     return out
 
 
+def head_layout(d) -> str:
+    """Our head's layout in words: the engines' original EAGLE-3 one, or with speculators' variants (draft.*)."""
+    return ", ".join(
+        [
+            "residual after hidden_norm" if d.norm_before_residual else "residual before hidden_norm",
+            "RMSNorm before fc" if d.norm_before_fc else "no norm before fc",
+            "normed outputs fed back" if d.norm_output else "pre-norm outputs fed back",
+            "full attention",
+        ]
+    )
+
+
 def recipes(cand, total_seq_len: int) -> dict:
     """What each side of each pair trains with, for the JSON (the overrides and flags above, in words)."""
     t, d = cand.train, cand.draft
@@ -516,7 +530,7 @@ def recipes(cand, total_seq_len: int) -> dict:
     loss_ours = f"{cand.distill.objective} over the top-{cand.data.teacher_cache_top_k} cache, draft vocabulary"
     loss_theirs = "kl_div over the target's exact logits, draft vocabulary, response (loss-mask) positions"
     positions = "prompt and response positions" if cand.distill.loss_on_prompt else "response positions"
-    engines = "residual before hidden_norm, no norm before fc, pre-norm outputs fed back, full attention"
+    engines = "residual before hidden_norm, no norm before fc, pre-norm outputs fed back, full attention"  # `same`
     same = {
         "optimizer": "AdamW, no weight decay, clipping at 1",
         "schedule": f"linear warm-up {t.warmup_steps} steps, cosine to 0",
@@ -534,7 +548,7 @@ def recipes(cand, total_seq_len: int) -> dict:
         "schedule": f"linear warm-up {t.warmup_steps} steps, cosine to {t.min_lr_ratio} x lr",
         "ttt_decay": d.ttt_decay,
         "lm_head": "frozen" if d.freeze_lm_head else "trained",
-        "head": engines,
+        "head": head_layout(d),
     }
     theirs = {
         "optimizer": "Muon (momentum 0.95, weight decay 0.1) on 2-D weights + AdamW (weight decay 0.01), clipping at 1",

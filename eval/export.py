@@ -392,6 +392,14 @@ def eagle3_section(checkpoint: Path, aux: tuple[int, ...]) -> str:
         )
         + ". Serve it with the target: it has no embeddings of its own, and only vLLM (`method: eagle3`), SGLang "
         "(`EAGLE3`), TensorRT-LLM (`Eagle3`) and specdistill's runtime run it; HF assisted generation cannot."
+        + (
+            " It was trained with the layer's residual taken after hidden_norm (config.json's norm_before_residual: "
+            "true, speculators' layout), which vLLM's EAGLE-3 layers read and specdistill's runtime computes; check "
+            "that your SGLang or TensorRT-LLM release reads it too (not verified here): an engine that ignores it "
+            "drafts with the original layout's residual, at a lower acceptance than measured."
+            if config.get("norm_before_residual")
+            else ""
+        )
     )
 
 
