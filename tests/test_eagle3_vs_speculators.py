@@ -335,6 +335,11 @@ def test_the_pairs_give_each_trainer_the_recipe_they_name(speculators, bench, tm
     assert bench.our_recipe(muon, "same", tmp_path, 3).train.optimizer == "adamw"
     assert bench.our_recipe(muon, "recommended", tmp_path, 3).train.optimizer == "muon"
     assert bench.recipes(muon, 618)["recommended"]["ours"]["optimizer"].startswith("Muon")
+    # `same` keeps the engines' head layout (its flags turn speculators' variants off); `recommended` the candidate's
+    variant = dataclasses.replace(cand, draft=dataclasses.replace(cand.draft, norm_before_residual=True))
+    assert not bench.our_recipe(variant, "same", tmp_path, 3).draft.norm_before_residual
+    assert bench.our_recipe(variant, "recommended", tmp_path, 3).draft.norm_before_residual
+    assert bench.recipes(variant, 618)["recommended"]["ours"]["head"].startswith("residual after hidden_norm")
     assert all(o.train.max_steps == 3 and o.train.eval_every == 3 and o.draft == cand.draft for o in ours.values())
     # in `same` a pass of ours holds at most speculators' packed length; `recommended` runs the config as it is
     assert [o.train.max_micro_batch_tokens for o in ours.values()] == [0, 0]
