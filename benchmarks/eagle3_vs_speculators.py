@@ -407,6 +407,7 @@ def our_recipe(
     backward pass holds: train.max_micro_batch_tokens), one process, validation and a checkpoint only after the
     last step; `ablate`, `key=value` overrides on top (--ablate: the ablation's training); `seed` (--training-seed)
     replaces the candidate's seed: the head's initialisation and the order of its batches."""
+    from distill.students import HEAD_VARIANTS
     from specdistill.config import RootConfig, from_dict, parse_override, set_dotted, to_dict
 
     data = to_dict(cand)
@@ -430,7 +431,7 @@ def our_recipe(
         fixed |= {"train.optimizer": "adamw"}
         fixed |= {"draft.freeze_lm_head": True}
         fixed |= {"distill.loss_on_prompt": False}  # its loss mask: the response tokens (the quickstart's head: all)
-        fixed |= {f"draft.{k}": False for k in ("norm_before_residual", "norm_before_fc", "norm_output")}  # its flags
+        fixed |= {f"draft.{k}": False for k in HEAD_VARIANTS}  # its --no-norm-* flags: the engines' layout
         if pass_tokens:  # a step of ours holds train.batch_size sequences whatever their length; its passes do not
             fixed |= {"train.max_micro_batch_tokens": pass_tokens}
     for key, value in fixed.items():

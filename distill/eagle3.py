@@ -40,6 +40,7 @@ from distill.objectives import (
     greedy_match,
     topk_agreement_sums,
 )
+from distill.students import HEAD_VARIANTS
 from specdec_runtime.eagle3 import (
     Eagle3Cache,
     Eagle3Draft,
@@ -117,7 +118,7 @@ def build_eagle3_student(teacher, draft_cfg, train: Path, cand: Path, *, is_main
         aux,
         init_std=draft_cfg.init_std,
         norm_from_target=draft_cfg.norm_from_target,
-        variants={k: getattr(draft_cfg, k) for k in ("norm_before_residual", "norm_before_fc", "norm_output")},
+        variants={k: getattr(draft_cfg, k) for k in HEAD_VARIANTS},
     )
     student.lm_head.weight.requires_grad_(not draft_cfg.freeze_lm_head)
     return student.float().train(), vocab["coverage"]

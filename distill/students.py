@@ -33,6 +33,11 @@ PER_LAYER_CONFIG_LISTS = ("layer_types", "mlp_layer_types", "no_rope_layers")
 LLAMA_LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+# speculators' EAGLE-3 head variants a training can switch on (DraftConfig keys of the same names; off: the engines'
+# original layout). specdec_runtime.eagle3.VARIANTS also holds the sliding window, which only a loaded head has.
+HEAD_VARIANTS = ("norm_before_residual", "norm_before_fc", "norm_output")
+
+
 @dataclass
 class DraftConfig:
     init: Literal["truncate", "config", "pretrained", "eagle3", "ngram", "suffix"] = "truncate"
@@ -177,7 +182,7 @@ class DraftConfig:
                 )
         if not 0 <= self.init_std < 1:
             raise ValueError(f"init_std must be in [0, 1) (0 = torch's default), got {self.init_std}")
-        variants = [k for k in ("norm_before_residual", "norm_before_fc", "norm_output") if getattr(self, k)]
+        variants = [k for k in HEAD_VARIANTS if getattr(self, k)]
         if variants and self.init != "eagle3":
             raise ValueError(f"{', '.join(variants)} only apply to init=eagle3, got init={self.init}")
         if self.init == "eagle3" and self.lora:

@@ -115,6 +115,7 @@ def test_the_head_variants_reach_the_trained_head(straight, tmp_path):
     """draft.norm_before_residual / norm_before_fc / norm_output (speculators' head variants) build the head the
     training steps (an RMSNorm before fc among its trained weights) and stay in its config.json, which our loader
     reads back into the same layout; the default head has none of the three keys (the engines' layout)."""
+    from distill.students import HEAD_VARIANTS
     from specdistill.pipeline import distill_candidate
 
     root, data, ref = straight
@@ -125,16 +126,14 @@ def test_the_head_variants_reach_the_trained_head(straight, tmp_path):
         distill_candidate(train_config(out, *EAGLE3, *COMMON, "train.max_steps=1", *variants), "draft", data)
     step = out / "candidates" / "draft" / "checkpoints" / "step-000001"
     config = json.loads((step / "config.json").read_text())
-    assert {k: config.get(k) for k in ("norm_before_residual", "norm_before_fc", "norm_output")} == dict.fromkeys(
-        ("norm_before_residual", "norm_before_fc", "norm_output"), True
-    )
+    assert {k: config.get(k) for k in HEAD_VARIANTS} == dict.fromkeys(HEAD_VARIANTS, True)
     weights = final_weights(out / "candidates" / "draft", 1)
     assert {"fc.norm.weight", "fc.proj.weight"} <= set(weights) and "fc.weight" not in weights
     assert not torch.equal(weights["fc.norm.weight"], torch.ones_like(weights["fc.norm.weight"]))  # it was trained
     head = Eagle3Draft.from_pretrained(step)
     assert head.norm_output and head.midlayer.norm_before_residual and hasattr(head.fc, "norm")
     plain = json.loads((ref / "checkpoints" / "step-000003" / "config.json").read_text())
-    assert not {"norm_before_residual", "norm_before_fc", "norm_output"} & set(plain)
+    assert not set(HEAD_VARIANTS) & set(plain)
     from eval.export import export_draft
 
     card = (export_draft(step, tmp_path / "export") / "README.md").read_text()
