@@ -137,7 +137,7 @@ def test_the_head_variants_reach_the_trained_head(straight, tmp_path):
     from eval.export import export_draft
 
     card = (export_draft(step, tmp_path / "export") / "README.md").read_text()
-    assert "norm_before_residual: true" in card and "not verified here" in card  # the engines that may ignore it
+    assert "residual taken after hidden_norm" in card and "not verified here" in card  # engines that may ignore it
 
 
 def test_a_token_bound_trains_a_packed_eagle3_head_in_several_passes_like_one(straight, tmp_path):
@@ -200,7 +200,7 @@ def test_export_of_an_eagle3_head_is_a_copy_with_its_card(straight, tmp_path):
     # the default layers of the 4-layer target, [2, L // 2, L - 3], named and written out (issue 23)
     assert "Kind: **eagle3**" in card and "target layers [2, 2, 1]" in card and f"{coverage:.2%}" in card
     assert '"method": "eagle3"' in card and "EAGLE3" in card and "decoding_type: Eagle3" in card
-    assert "norm_before_residual" not in card  # the engines' original layout: nothing to check
+    assert "residual taken after hidden_norm" not in card  # the engines' original layout: nothing to check
 
 
 def test_specdistill_distill_trains_both_kinds_in_one_run(tmp_path, isolated_cache):

@@ -494,11 +494,16 @@ def test_a_finished_training_is_reused_only_for_the_very_same_spec(bench, tmp_pa
     spec = {"tag": "same-ours", "config": str(tmp_path / "missing.yaml"), "name": "same-ours", "steps": 3, "x": 0.5}
     (folder / "same-ours.spec.json").write_text(json.dumps(spec))
     (folder / "same-ours.json").write_text(json.dumps({"step_s": [1.0], "head": "h"}))
-    args = argparse.Namespace(out=tmp_path, retrain=False)
+    args = argparse.Namespace(out=tmp_path, retrain=False, step_log=False)
     assert bench.child(args, "ours", dict(spec)) == {"step_s": [1.0], "head": "h"}
+    # --step-log: a training with its step log is another spec (trains again, here failing)
+    with pytest.raises(SystemExit, match="same-ours training failed"):
+        bench.child(argparse.Namespace(out=tmp_path, retrain=False, step_log=True), "ours", dict(spec))
+    (folder / "same-ours.spec.json").write_text(json.dumps(spec))
+    (folder / "same-ours.json").write_text(json.dumps({"step_s": [1.0], "head": "h"}))
     # --retrain: the same spec trains again (its speed is of this machine)
     with pytest.raises(SystemExit, match="same-ours training failed"):
-        bench.child(argparse.Namespace(out=tmp_path, retrain=True), "ours", dict(spec))
+        bench.child(argparse.Namespace(out=tmp_path, retrain=True, step_log=False), "ours", dict(spec))
     (folder / "same-ours.json").write_text(json.dumps({"step_s": [1.0], "head": "h"}))
     with pytest.raises(SystemExit, match="same-ours training failed"):
         bench.child(args, "ours", {**spec, "steps": 4})
