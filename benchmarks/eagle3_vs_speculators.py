@@ -1340,15 +1340,17 @@ def main(argv: list[str] | None = None) -> int:
         spec = their_spec(tag, flags, save, steps, spec_data, tokens_per_step, seed, size)
         trainings[tag] = child(args, "speculators", spec | ({"init_from": our_init} if our_init else {}))
 
-    if args.step_log:
-        logs = step_log_report(args, trainings)
+    if args.step_log or args.train_only:
+        logs = step_log_report(args, trainings) if args.step_log else {}
+        summaries = {tag: training_summary(run, args.warmup_steps) for tag, run in trainings.items()}
+        for tag, t in summaries.items():
+            print(f"{tag}: {t['tokens_per_s']:.0f} tokens/s, peak RSS {t['peak_rss_mb']:.0f} MiB in training")
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"steps": steps, "training_seed": seed, "step_logs": logs}, indent=2))
+            report = {"steps": steps, "training_seed": seed, "trainings": summaries, "step_logs": logs}
+            args.json.write_text(json.dumps(report, indent=2))
         if args.train_only:
             return 0
-    elif args.train_only:
-        return 0
 
     probe = load_teacher_row(data.validation, cand.train.max_seq_len, limit=64)
     prompts = eval_prompts("builtin:test", tokenizer, args.prompts, trained_on=cfg.data)
