@@ -483,6 +483,37 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
     assert bench.main(["--optimizer-step", head]) == 0
 
 
+def test_the_step_logged_runs_compare_one_recipe_on_both_trainers(speculators, bench, tmp_path, isolated_cache):
+    """`--smoke --step-log --train-only` with both ablation arms on one recipe (ours with speculators' optimizer and
+    initialisation, theirs on our rows and batches and from our very initial weights): every training logs each of
+    its steps; the arms, the same algorithm from the same weights on the same rows, read the same learning rates and
+    weight norms throughout, where the pair (two recipes) does not; and each training's own validation signal."""
+    out = tmp_path / "run"
+    argv = ["--smoke", "--pairs", "same", "--out", str(out), "--json", str(out / "logs.json"), "--step-log"]
+    argv += ["--train-only", "--their-init", "ours", "--their-rows", "ours", "--their-batches", "ours"]
+    # no warm-up on either side: HF's schedule starts it at lr 0, ours at lr / warmup_steps
+    argv += ["--ablate", "train.optimizer=muon", "--ablate", "distill.teacher=online"]
+    argv += ["--ablate", "train.warmup_steps=0"]
+    argv += ["--ablate-speculators", "optimizer=muon", "--ablate-speculators", "scheduler-warmup-steps=0"]
+    assert bench.main(argv) == 0
+    report = json.loads((out / "logs.json").read_text())
+    arms = {f"same-{who}{arm}" for who in ("ours", "speculators") for arm in ("", "-ablation")}
+    assert set(report["trainings"]) == arms
+    assert all(t["tokens_per_s"] > 0 for t in report["trainings"].values())
+    arms = report["step_logs"]["ablation"]
+    assert (arms["ours"], arms["theirs"]) == ("same-ours-ablation", "same-speculators-ablation")
+    steps = report["steps"]
+    for name, c in arms["compared"].items():
+        assert c["steps"] == steps, name
+        assert c["median_ratio"]["lr"] == pytest.approx(1.0), name
+        first = c["at"]["1"]["norm"]  # after one step from the same weights at the same lr
+        assert first[0] == pytest.approx(first[1], rel=1e-3), (name, first)
+    assert any(c["at"]["1"]["norm"][0] != pytest.approx(c["at"]["1"]["norm"][1], rel=1e-3)
+               for c in report["step_logs"]["same"]["compared"].values())  # two draws of the head: apart  # fmt: skip
+    assert all(0 <= m <= 1 for m in arms["validation_greedy_match_0"])
+    assert "same" in report["step_logs"] and len(report["step_logs"]["same"]["compared"]) >= 10
+
+
 def test_a_finished_training_is_reused_only_for_the_very_same_spec(bench, tmp_path):
     """`child` reuses a training whose result exists for an identical spec (a run interrupted after it, or re-run
     with other --pairs) unless --retrain; a spec that differs in anything trains again, which here fails (a config
