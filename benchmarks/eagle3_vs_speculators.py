@@ -975,7 +975,7 @@ def matched_params(ours, theirs) -> dict:
     theirs_params = dict(theirs.named_parameters())
     pairs = {}
     for name, p in ours.named_parameters():
-        q = theirs_params[name.replace("midlayer.", "layers.0.").replace("fc.norm.", "input_norm.")]
+        q = theirs_params[their_name(name)]
         if p.requires_grad and q.requires_grad:
             pairs[name] = (p, q)
     return pairs

@@ -576,10 +576,10 @@ class Eagle3Draft(nn.Module):
         increasing target ids); fp32, on the target's device. `variants`: `VARIANTS` keys to switch on (written
         into its config.json only when on, so a head in the engines' layout keeps exactly shared/EAGLE3.md's keys)."""
         config = draft_config(target.config, draft_vocab_size=len(draft_ids), aux_layers=aux_layers)
-        unknown = set(variants or {}) - set(VARIANTS)
-        if unknown:
+        variants = variants or {}
+        if unknown := set(variants) - set(VARIANTS):
             raise ValueError(f"unknown EAGLE-3 head variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
-        config |= {k: v for k, v in (variants or {}).items() if v != VARIANTS[k]}
+        config |= {k: v for k, v in variants.items() if v != VARIANTS[k]}
         if seed is not None:
             torch.manual_seed(seed)
         model = cls(config).to(next(target.parameters()).device)
