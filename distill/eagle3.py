@@ -34,6 +34,7 @@ from distill.config import DistillConfig
 from distill.data import AUX_HIDDEN as AUX_COLUMN
 from distill.data import COMPLETE, load_teacher_data
 from distill.objectives import (
+    LOG_ZERO,
     TeacherTargets,
     distill_loss,
     expected_acceptance_from_logits,
@@ -53,11 +54,6 @@ from specdec_runtime.eagle3 import (
 from specdec_runtime.errors import UserError
 
 VOCAB_FILE = "draft_vocab.json"  # <cand>/draft_vocab.json: the draft vocabulary, counted once per candidate
-# A finite stand-in for log 0 in dense teacher logits built from the top-k cache: finite, so 0 * (finite) keeps the
-# KL terms finite where -inf would give 0 * inf = NaN; its exp() (1.6e-38, < 1e-33 over any vocabulary) is as good as
-# 0. Not lower: below -87.3 fp32 exp() leaves its vectorised path (-1e4 cost 43 ms per (128, 8193) chunk on one core
-# here, -87 2.7 ms), and the softmaxes of the loss took a fifth of an EAGLE-3 training step.
-LOG_ZERO = -87.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -200,24 +196,36 @@ def shift(x: Tensor, n: int, fill) -> Tensor:
     return out
 
 
-def draft_targets(student: Eagle3Draft, logits: Tensor | None, topk, pad: int = 0) -> tuple[Tensor, Tensor]:
-    """(teacher logits over the draft vocabulary (B, T + pad, Vd) fp32, the last `pad` rows LOG_ZERO, teacher argmax
-    in the draft vocabulary (B, T)). The pad rows let unrolled step j read rows j + 1 .. j + T as a view
-    instead of a shifted (B, T, Vd) copy per step."""
+def draft_targets(student: Eagle3Draft, logits: Tensor | None, topk, pad: int = 0) -> tuple[TeacherTargets, Tensor]:
+    """(the teacher over the draft vocabulary for T + pad rows, the last `pad` rows at LOG_ZERO; the teacher's
+    argmax lies in the draft vocabulary (B, T)). From online `logits` (B, T, V): dense fp32 logits (B, T + pad, Vd).
+    From the cache's top-k (ids, log-probs) (B, T, K): sparse (`TeacherTargets.support_logits`, (B, T + pad, K) in
+    draft indices), the ids outside the draft vocabulary at LOG_ZERO, so the loss renormalises over the draft
+    vocabulary as the dense targets would. The pad rows let unrolled step j read rows j + 1 .. j + T as a view
+    instead of a shifted copy per step (`window`)."""
     keep = target_ids(student.d2t)  # (Vd,)
     if logits is not None:
         dense = logits[..., keep].float()
         fill = dense.new_full((dense.shape[0], pad, len(keep)), LOG_ZERO)
-        return torch.cat([dense, fill], 1) if pad else dense, student.t2d[logits.argmax(-1)]
+        return TeacherTargets(logits=torch.cat([dense, fill], 1) if pad else dense), student.t2d[logits.argmax(-1)]
     ids, logprobs = topk[0].long(), topk[1].float()  # (B, T, K)
-    B, T = ids.shape[:2]
+    B, T, K = ids.shape
     index = torch.cumsum(student.t2d.long(), 0) - 1  # target id -> draft index where t2d
     inside = student.t2d[ids]
-    # Top-k ids are distinct, so the kept ones land on distinct columns; the others go to a spare last column.
-    dense = logprobs.new_full((B, T + pad, len(keep) + 1), LOG_ZERO)
-    dense[:, :T].scatter_(-1, torch.where(inside, index[ids], len(keep)), torch.where(inside, logprobs, LOG_ZERO))
+    support = logprobs.new_full((B, T + pad, K), LOG_ZERO)
+    support[:, :T] = torch.where(inside, logprobs, LOG_ZERO)
+    support_ids = ids.new_zeros((B, T + pad, K))  # padding (at LOG_ZERO) points at id 0
+    support_ids[:, :T] = torch.where(inside, index[ids], 0)
     top1 = ids.gather(-1, logprobs.argmax(-1, keepdim=True))[..., 0]  # (B, T)
-    return dense[..., :-1], student.t2d[top1]
+    return TeacherTargets(support_logits=support, support_ids=support_ids), student.t2d[top1]
+
+
+def window(targets: TeacherTargets, n: int, T: int) -> TeacherTargets:
+    """Rows n .. n + T of `draft_targets`' padded rows, as views: the targets shifted by n, LOG_ZERO past the end."""
+    if targets.logits is not None:
+        return TeacherTargets(logits=targets.logits[:, n : n + T])
+    rows = slice(n, n + T)
+    return TeacherTargets(support_logits=targets.support_logits[:, rows], support_ids=targets.support_ids[:, rows])
 
 
 def draft_labels(student: Eagle3Draft, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -384,7 +392,7 @@ def unrolled_steps(
         logits = None if logits is None else packing(logits)
         topk = None if topk is None else tuple(packing(x) for x in topk)
     depth = draft_cfg.ttt_depth
-    teacher_d, in_vocab = draft_targets(plain, logits, topk, pad=depth)  # (B, T + depth, Vd), (B, T)
+    teacher_d, in_vocab = draft_targets(plain, logits, topk, pad=depth)  # T + depth rows, (B, T)
     valid = labels != IGNORE
     labels_d, label_in = draft_labels(plain, labels) if "ce" in distill_cfg.objective else (labels.clamp(min=0), valid)
     dtype = plain.fc.weight.dtype  # fp32 masters (autocast runs the matmuls in bf16), or DeepSpeed's bf16 copy
@@ -406,7 +414,7 @@ def unrolled_steps(
         )
         with autocast() if fused else nullcontext():
             loss, terms = distill_loss(
-                teacher=TeacherTargets(logits=teacher_d[:, n : n + T]),  # shift(.., n, LOG_ZERO), a view
+                teacher=window(teacher_d, n, T),  # shift(.., n, LOG_ZERO), views
                 labels=shift(labels_d, n, 0),
                 mask=masks[j],
                 objective=distill_cfg.objective,

@@ -12,7 +12,8 @@ Terms (names as in `distill.config.OBJECTIVES`), with p the teacher and q the st
 `distill_loss` is the one entry point: a weighted mix of terms, fp32 log-softmax, an explicit (B, T) bool mask,
 sums normalised by a caller-given global token count, chunked over positions so the fp32 (B, T, V) probabilities
 exist one chunk at a time: with the student's logits, activation checkpointing (rebuilt in backward); with its
-hidden states and head (the training path), each chunk's gradient computed in the forward (`_FusedHeadSums`).
+hidden states and head (the training path), each chunk's gradient computed in the forward (`_FusedHeadSums`), in
+closed form where the teacher is sparse and the terms are forward_kl / ce (`_support_sums_and_grad`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ KD_TERMS = ("forward_kl", "reverse_kl", "jsd", "tv")
 # Smallest mass of the top-k "rest" bucket: 1 - sum(probs) is only accurate to ~1e-7 in fp32, and a positive floor
 # keeps log(rest) and its gradient finite when the top-k covers (nearly) all of the mass.
 REST_FLOOR = 1e-12
+# A finite stand-in for log 0 in dense teacher logits built from a sparse teacher: finite, so 0 * (finite) keeps the
+# KL terms finite where -inf would give 0 * inf = NaN; its exp() (1.6e-38, < 1e-33 over any vocabulary) is as good as
+# 0. Not lower: below -87.3 fp32 exp() leaves its vectorised path (-1e4 cost 43 ms per (128, 8193) chunk on one core
+# here, -87 2.7 ms), and the softmaxes of the loss took a fifth of an EAGLE-3 training step.
+LOG_ZERO = -87.0
 
 
 @dataclass
@@ -45,13 +51,35 @@ class TeacherTargets:
     """(B, T, K) teacher log-probs at temperature 1 of its K most likely tokens (the offline cache)."""
     topk_indices: Tensor | None = None
     """(B, T, K) integer token ids of `topk_logprobs`, distinct within a position."""
+    support_logits: Tensor | None = None
+    """(B, T, K) teacher logits at the K ids of `support_ids`, every other id at probability 0: the dense logits
+    with LOG_ZERO elsewhere (after kd_temperature), renormalised over the support (no "rest" bucket, unlike
+    `topk_logprobs`). Entries at LOG_ZERO are padding (their ids may repeat)."""
+    support_ids: Tensor | None = None
+    """(B, T, K) integer ids of `support_logits`; distinct within a position but for LOG_ZERO padding."""
 
     def __post_init__(self) -> None:
-        has_topk = self.topk_logprobs is not None or self.topk_indices is not None
-        if (self.logits is None) == (not has_topk):
-            raise ValueError("TeacherTargets takes either logits or (topk_logprobs, topk_indices), not both or none")
-        if has_topk and (self.topk_logprobs is None or self.topk_indices is None):
-            raise ValueError("TeacherTargets: topk_logprobs and topk_indices come together")
+        pairs = {
+            "logits": (self.logits, self.logits),
+            "(topk_logprobs, topk_indices)": (self.topk_logprobs, self.topk_indices),
+            "(support_logits, support_ids)": (self.support_logits, self.support_ids),
+        }
+        given = [name for name, (a, b) in pairs.items() if a is not None or b is not None]
+        if len(given) != 1:
+            raise ValueError(f"TeacherTargets takes exactly one of {', '.join(pairs)}; got {given or 'none'}")
+        if any(x is None for x in pairs[given[0]]):
+            raise ValueError(f"TeacherTargets: {given[0]} come together")
+
+    @property
+    def sparse(self) -> bool:
+        return self.support_logits is not None
+
+
+def dense_from_support(support_logits: Tensor, support_ids: Tensor, vocab: int, fill: float = LOG_ZERO) -> Tensor:
+    """(..., K) logits at `support_ids` -> (..., vocab) fp32 dense logits, `fill` elsewhere; a padding entry (at
+    LOG_ZERO, its id possibly repeated) never overwrites a real one (amax)."""
+    dense = support_logits.new_full((*support_logits.shape[:-1], vocab), fill, dtype=torch.float32)
+    return dense.scatter_reduce_(-1, support_ids.long(), support_logits.float().clamp(min=fill), reduce="amax")
 
 
 def batch_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -160,12 +188,20 @@ def _chunk_sums(
     names: tuple[str, ...],
     kd_temperature: float,
     beta: float,
+    sparse: bool = False,
 ) -> Tensor:
-    """Sum over the chunk's valid positions of each term in `names`: (len(names),)."""
+    """Sum over the chunk's valid positions of each term in `names`: (len(names),). With `sparse` the top-k slots
+    hold a sparse teacher's support logits and ids (`TeacherTargets.support_logits`)."""
     if teacher_logits is not None and teacher_logits.is_inference() and torch.is_grad_enabled():
         # Autograd cannot save an inference tensor; a copy of this chunk only (recomputed in backward) is enough.
         teacher_logits = teacher_logits.clone()
     logits = student if lm_head_weight is None else student @ lm_head_weight.T  # (N, D) -> (N, V)
+    if sparse and topk_logprobs is not None:
+        # Dense over this chunk only; the fill scaled so that it reads LOG_ZERO after / kd_temperature (probability
+        # ~0 off the support, as `_support_sums_and_grad` has it), not a leak of V x exp(LOG_ZERO / T) at large T.
+        fill = LOG_ZERO * max(kd_temperature, 1.0)
+        teacher_logits = dense_from_support(topk_logprobs, topk_indices, logits.shape[-1], fill)
+        topk_logprobs = topk_indices = None
     s1 = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (N, V) student log-probs at temperature 1
     t = s = None
     if any(name in KD_TERMS for name in names):
@@ -174,6 +210,48 @@ def _chunk_sums(
         labels = labels.masked_fill(~mask, 0).long()  # masked positions may hold -100
     # where(), not multiplication: masked positions contribute an exact 0 and a zero gradient.
     return torch.stack([torch.where(mask, _term(name, t, s, s1, labels, beta), 0.0).sum() for name in names])
+
+
+def _support_sums_and_grad(
+    logits: Tensor,
+    support_logits: Tensor | None,
+    support_ids: Tensor | None,
+    labels: Tensor | None,
+    mask: Tensor,
+    term_weights: Tensor,
+    *,
+    names: tuple[str, ...],
+    kd_temperature: float,
+) -> tuple[Tensor, Tensor]:
+    """`_chunk_sums` for forward_kl and ce against a sparse teacher (`TeacherTargets.support_logits`), and the
+    gradient of sum_i w_i sums_i w.r.t. `logits` (n, V), in closed form: with q = softmax(z / T) and p the teacher's
+    distribution at T over its K support ids, d KL(p || q) / dz = (q - p) / T, and d -log softmax(z)_y / dz =
+    softmax(z) - onehot(y). Beside one softmax over V per term nothing costs more than K per row, where autograd
+    through the dense terms (`_chunk_sums`) makes a dozen passes over (n, V) and builds the dense teacher.
+    -> (sums (len(names),), grad (n, V) in logits' dtype)."""
+    z, grad, sums = logits.float(), None, []
+    keep = mask[:, None].float()  # (n, 1): masked rows contribute an exact 0 and a zero gradient
+    for name, weight in zip(names, term_weights):
+        # One fused log_softmax, then its exp in place: fewer passes over (n, V) than logsumexp and a subtraction.
+        if name == "forward_kl":
+            T, ids = kd_temperature, support_ids.long()
+            s = F.log_softmax(z if T == 1 else z / T, dim=-1)  # (n, V) the student's log-probs at T
+            tz = support_logits.float()
+            # padding stays at LOG_ZERO after the temperature, as the dense path's fill (`_chunk_sums`)
+            t = F.log_softmax(tz if T == 1 else torch.where(tz <= LOG_ZERO, LOG_ZERO, tz / T), dim=-1)  # (n, K)
+            p = t.exp()
+            term = (p * (t - s.gather(-1, ids))).sum(-1)  # (n,)
+            g = s.exp_().scatter_add_(-1, ids, -p).mul_(keep * (weight / T))  # (q - p) w / T
+        elif name == "ce":
+            s1 = F.log_softmax(z, dim=-1)
+            y = labels.masked_fill(~mask, 0).long()[:, None]  # masked positions may hold -100
+            term = -s1.gather(-1, y)[:, 0]
+            g = s1.exp_().scatter_add_(-1, y, -torch.ones_like(y, dtype=s1.dtype)).mul_(keep * weight)
+        else:
+            raise ValueError(f"no closed form for objective term {name!r}")
+        sums.append(torch.where(mask, term, 0.0).sum())
+        grad = g if grad is None else grad.add_(g)
+    return torch.stack(sums), grad.to(logits.dtype)
 
 
 class _FusedHeadSums(torch.autograd.Function):
@@ -188,14 +266,17 @@ class _FusedHeadSums(torch.autograd.Function):
 
     forward -> (the weighted total sum_i w_i sums_i, which carries the gradient; the per-term sums (n,), for the
     metrics, non-differentiable). The weights must be the ones the caller's loss applies: the gradient is computed
-    for the weighted total and only scaled in backward.
+    for the weighted total and only scaled in backward. With `closed_form` (`_support_sums_and_grad` bound to the
+    objective) each chunk's sums and gradient come from it instead of the local autograd graph.
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, teacher: list, chunks: list, fn, term_weights: Tensor):
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, teacher: list, chunks: list, fn, term_weights: Tensor, closed_form=None
+    ):
         """hidden (M, D), weight (V, D); teacher: [the teacher's (N, V) logits or None] (in a list: an inference
         tensor, never an autograd input); chunks: per chunk of M's rows in order (its row indices into N, top-k
-        log-probs, top-k ids, labels, mask (n,)); fn: `_chunk_sums` bound to the objective."""
+        log-probs or support logits, their ids, labels, mask (n,)); fn: `_chunk_sums` bound to the objective."""
         need_h, need_w = ctx.needs_input_grad[:2]
         grad_h = torch.zeros_like(hidden) if need_h else None  # (M, D)
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # (V, D), fp32 accumulation
@@ -205,10 +286,13 @@ class _FusedHeadSums(torch.autograd.Function):
             h = hidden[start : start + rows.shape[0]].detach()  # (n, D): the chunk's rows
             # index_select of an inference tensor (the teacher's) gives a normal one, which autograd may save
             teacher_logits = None if teacher[0] is None else teacher[0].index_select(0, rows)  # (n, V), one chunk
-            with torch.enable_grad():
-                logits = (h @ w.T).requires_grad_()  # (n, V); under autocast in its dtype, as the head would run
-                chunk_sums = fn(logits, *tensors, None, teacher_logits=teacher_logits)  # (len(names),)
-                (grad,) = torch.autograd.grad((chunk_sums * term_weights).sum(), logits)  # (n, V)
+            if closed_form is not None:  # under autocast the logits in its dtype, as the head would run
+                chunk_sums, grad = closed_form(h @ w.T, *tensors, term_weights)  # (len(names),), (n, V)
+            else:
+                with torch.enable_grad():
+                    logits = (h @ w.T).requires_grad_()  # (n, V)
+                    chunk_sums = fn(logits, *tensors, None, teacher_logits=teacher_logits)  # (len(names),)
+                    (grad,) = torch.autograd.grad((chunk_sums * term_weights).sum(), logits)  # (n, V)
             if need_h:
                 grad_h[start : start + h.shape[0]] = (grad @ w).to(hidden.dtype)
             if need_w:
@@ -226,6 +310,7 @@ class _FusedHeadSums(torch.autograd.Function):
         return (
             None if grad_h is None else grad_h * grad_total,
             None if grad_w is None else grad_w * grad_total,
+            None,
             None,
             None,
             None,
@@ -254,6 +339,13 @@ def _check_shapes(
             )
         if idx.is_floating_point():
             raise ValueError("top-k indices must be an integer tensor")
+    if teacher.support_logits is not None:
+        lp, idx = teacher.support_logits, teacher.support_ids
+        if lp.shape != idx.shape or tuple(lp.shape[:2]) != (B, T) or idx.is_floating_point():
+            raise ValueError(
+                f"support logits {tuple(lp.shape)} and integer ids {tuple(idx.shape)} must be (B, T, K), "
+                f"(B, T) = {B, T}"
+            )
 
 
 def distill_loss(
@@ -318,20 +410,26 @@ def distill_loss(
 
     teacher = teacher if any(name in KD_TERMS for name in names) else None
     teacher_logits = rows(teacher.logits) if teacher else None
+    sparse = teacher is not None and teacher.sparse
     tensors = [
         rows(student),
-        rows(teacher.topk_logprobs) if teacher else None,
-        rows(teacher.topk_indices) if teacher else None,
+        rows(teacher.support_logits if sparse else teacher.topk_logprobs) if teacher else None,
+        rows(teacher.support_ids if sparse else teacher.topk_indices) if teacher else None,
         rows(labels) if "ce" in names else None,
         rows(mask),
     ]
-    fn = functools.partial(_chunk_sums, names=names, kd_temperature=kd_temperature, beta=beta)
+    fn = functools.partial(_chunk_sums, names=names, kd_temperature=kd_temperature, beta=beta, sparse=sparse)
+    closed_form = None
+    if set(names) <= {"forward_kl", "ce"} and (sparse or teacher is None):
+        closed_form = functools.partial(_support_sums_and_grad, names=names, kd_temperature=kd_temperature)
     recompute = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (student, lm_head_weight))
     count = mask.sum() if num_items is None else torch.as_tensor(num_items, device=mask.device)
     count = count.clamp(min=1)
     term_weights = torch.tensor(list(weights.values()), dtype=torch.float32, device=mask.device)
     if recompute and lm_head_weight is not None:
-        total, sums = _fused_head_sums(tensors, teacher_logits, lm_head_weight, fn, term_weights, chunk_size)
+        total, sums = _fused_head_sums(
+            tensors, teacher_logits, lm_head_weight, fn, term_weights, chunk_size, closed_form
+        )
         return total / count.to(total.dtype), {name: (sums[i] / count).detach() for i, name in enumerate(names)}
     sums = []
     # split(), not one slice per chunk: a slice's backward writes its gradient into a zero-filled (N, V) tensor per
@@ -352,7 +450,13 @@ def distill_loss(
 
 
 def _fused_head_sums(
-    tensors: list, teacher_logits: Tensor | None, lm_head_weight: Tensor, fn, term_weights: Tensor, chunk_size: int
+    tensors: list,
+    teacher_logits: Tensor | None,
+    lm_head_weight: Tensor,
+    fn,
+    term_weights: Tensor,
+    chunk_size: int,
+    closed_form=None,
 ) -> tuple[Tensor, Tensor]:
     """The training path with the head applied in the loss: only the rows the mask keeps (a prompt's positions cost
     nothing), in chunks through `_FusedHeadSums` -> (weighted total, per-term sums (n,))."""
@@ -365,7 +469,7 @@ def _fused_head_sums(
         part = [None if x is None else x[start : start + chunk_size] for x in picked]
         chunks.append((keep[start : start + chunk_size], *part, valid[start : start + chunk_size]))
     hidden = student.index_select(0, keep)  # (M, D)
-    return _FusedHeadSums.apply(hidden, lm_head_weight, [teacher_logits], chunks, fn, term_weights)
+    return _FusedHeadSums.apply(hidden, lm_head_weight, [teacher_logits], chunks, fn, term_weights, closed_form)
 
 
 # ----------------------------------------------------------------------------------------------------------------

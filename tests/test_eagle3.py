@@ -13,8 +13,9 @@ from helpers.models import eagle3_setup, tiny_llama
 from helpers.runs import require_speculators
 from safetensors.torch import load_file
 
-from distill.eagle3 import LOG_ZERO, choose_draft_vocab, draft_targets, shift, ttt_logits
+from distill.eagle3 import LOG_ZERO, choose_draft_vocab, draft_targets, shift, ttt_logits, window
 from distill.eagle3 import Packing as e3_packing
+from distill.objectives import dense_from_support
 from distill.students import DraftConfig
 from eval.engines import ServingSetting, engine_snippets
 from specdec_runtime.eagle3 import (
@@ -174,27 +175,36 @@ def test_the_draft_vocabulary_is_the_most_frequent_tokens_and_its_coverage():
 
 
 def test_cached_top_k_covering_everything_gives_the_online_targets(target):
-    """The offline cache's dense draft-vocabulary targets equal the online ones when its top-k holds every token:
-    the teacher renormalised over the draft vocabulary, and the same positions masked."""
+    """The offline cache's sparse draft-vocabulary targets equal the online dense ones when its top-k holds every
+    token: the teacher renormalised over the draft vocabulary, and the same positions masked."""
     draft = head(target)
+    Vd = len(DRAFT_IDS)
+
+    def dense(targets):
+        return dense_from_support(targets.support_logits, targets.support_ids, Vd)
+
     logits = torch.randn(2, 5, 64)
     online, in_online = draft_targets(draft, logits, None)
     lp = logits.log_softmax(-1)
     values, ids = lp.topk(64, dim=-1)
     cached, in_cached = draft_targets(draft, None, (ids, values))
-    torch.testing.assert_close(cached.log_softmax(-1), online.log_softmax(-1))
+    assert cached.sparse and cached.support_logits.shape == (2, 5, 64)  # K of them, not the vocabulary's
+    torch.testing.assert_close(dense(cached).log_softmax(-1), online.logits.log_softmax(-1))
     assert torch.equal(in_cached, in_online) and torch.equal(in_online, draft.t2d[logits.argmax(-1)])
     partial, _ = draft_targets(draft, None, (ids[..., :8], values[..., :8]))  # only the top 8: the rest vanishes
     kept = draft.t2d[ids[..., :8]].sum(-1)
     seen = kept > 0  # a position with no top-k token in the vocabulary has its argmax outside too: masked anyway
     # LOG_ZERO is finite (exp's fast range): each missing token keeps ~1e-38, nothing a loss can see
-    assert seen.any() and torch.equal((partial.softmax(-1) > 1e-30).sum(-1)[seen], kept[seen])
+    assert seen.any() and torch.equal((dense(partial).softmax(-1) > 1e-30).sum(-1)[seen], kept[seen])
     # Padded by the unroll's depth, rows n .. n + T are the targets shifted by n (LOG_ZERO past the end), as views.
     for teacher in ((logits, None), (None, (ids, values))):
         plain, padded = draft_targets(draft, *teacher)[0], draft_targets(draft, *teacher, pad=3)[0]
-        assert padded.shape == (2, 5 + 3, len(DRAFT_IDS))
+        full = plain.logits if plain.logits is not None else dense(plain)
+        assert (padded.logits if padded.logits is not None else padded.support_logits).shape[:2] == (2, 5 + 3)
         for n in (1, 2, 3):
-            assert torch.equal(padded[:, n : n + 5], shift(plain, n, LOG_ZERO)), n
+            rows = window(padded, n, 5)
+            got = rows.logits if rows.logits is not None else dense(rows)
+            assert torch.equal(got, shift(full, n, LOG_ZERO)), n
 
 
 # ------------------------------------------------------------------------------------------------ cache and TTT

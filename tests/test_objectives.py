@@ -4,10 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import distill.objectives as objectives
 from distill.config import OBJECTIVES
 from distill.objectives import (
     KD_TERMS,
+    LOG_ZERO,
     TeacherTargets,
+    dense_from_support,
     distill_loss,
     expected_acceptance_from_logits,
     forward_kl,
@@ -176,6 +179,71 @@ def test_hidden_states_path_equals_logits_path(teacher_kind, chunk_size):
     assert grads[0][2].abs().sum() == 0  # masked rows get an exact zero
 
 
+def _sparse(teacher_logits: torch.Tensor, k: int, pad: int = 2) -> TeacherTargets:
+    """Each row's k largest logits, then `pad` padding entries at LOG_ZERO on id 0 (as the EAGLE-3 targets pad)."""
+    values, ids = teacher_logits.topk(k, dim=-1)
+    fill = torch.full((*values.shape[:-1], pad), LOG_ZERO)
+    zeros = torch.zeros(*ids.shape[:-1], pad, dtype=torch.long)
+    return TeacherTargets(support_logits=torch.cat([values, fill], -1), support_ids=torch.cat([ids, zeros], -1))
+
+
+@pytest.mark.parametrize(
+    "objective",
+    ["forward_kl", {"forward_kl": 0.7, "ce": 0.3}, "ce", {"forward_kl": 1.0, "reverse_kl": 0.5, "jsd": 0.2, "tv": 1.0}],
+)
+@pytest.mark.parametrize("kd_temperature", [1.0, 2.5])
+def test_a_sparse_teacher_is_the_dense_logits_it_stands_for(objective, kd_temperature, monkeypatch):
+    """Support logits give the loss, metrics and gradients of their dense logits (LOG_ZERO off the support at
+    kd_temperature: reverse_kl reads the stand-in's value there), on the
+    logits path (densified chunk by chunk) and on the training path, where forward_kl and ce take the closed form
+    (`_support_sums_and_grad`; other terms autograd). Padding entries repeat id 0, which some rows also hold."""
+    hidden, weight = _hidden_case()
+    _, teacher, labels, mask = _batch()
+    teacher[0, :, 0] += 6.0  # id 0 among the top k of these rows, next to the padding's id 0
+    labels = labels.masked_fill(~mask, -100)
+    sparse = _sparse(teacher, 4)
+    off = LOG_ZERO * max(kd_temperature, 1.0)  # LOG_ZERO after the temperature: probability ~0 off the support
+    dense = TeacherTargets(logits=dense_from_support(sparse.support_logits, sparse.support_ids, V, off))
+    kw = dict(kd_temperature=kd_temperature, beta=0.3, num_items=40)
+    ref, ref_terms = distill_loss(hidden @ weight.T, dense, labels, mask, objective, **kw)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    closed = []
+    real = objectives._support_sums_and_grad
+    monkeypatch.setattr(objectives, "_support_sums_and_grad", lambda *a, **k: closed.append(1) or real(*a, **k))
+    paths = (dict(student_logits=hidden @ weight.T), dict(student_hidden=hidden, lm_head_weight=weight, chunk_size=4))
+    for path in paths:
+        student = path.pop("student_logits", None)
+        loss, terms = distill_loss(student, sparse, labels, mask, objective, **path, **kw)
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(terms, ref_terms)
+        for grad, expected in zip(torch.autograd.grad(loss, (hidden, weight)), ref_grads):
+            torch.testing.assert_close(grad, expected)
+    names = {objective} if isinstance(objective, str) else set(objective)
+    assert bool(closed) == (names <= {"forward_kl", "ce"})  # the training path only, where it applies
+
+
+def test_the_closed_form_gradient_is_autograds_at_every_row_and_weight():
+    """`_support_sums_and_grad` against autograd through `_chunk_sums` on one chunk: weighted terms, a masked row
+    (exact zero), kd_temperature != 1. A wrong factor (1 / T dropped) fails it."""
+    g = torch.Generator().manual_seed(3)
+    logits = (2 * torch.randn(6, V, generator=g)).requires_grad_()
+    sparse = _sparse(2 * torch.randn(6, V, generator=g), 5)
+    labels = torch.randint(0, V, (6,), generator=g)
+    mask = torch.tensor([True, True, False, True, True, True])
+    weights = torch.tensor([0.6, 0.4])
+    names, T = ("forward_kl", "ce"), 1.7
+    args = (sparse.support_logits, sparse.support_ids, labels, mask)
+    sums = objectives._chunk_sums(logits, *args, None, teacher_logits=None, names=names, kd_temperature=T, beta=0.5,
+                                  sparse=True)  # fmt: skip
+    (expected,) = torch.autograd.grad((sums * weights).sum(), logits)
+    closed, grad = objectives._support_sums_and_grad(logits.detach(), *args, weights, names=names, kd_temperature=T)
+    torch.testing.assert_close(closed, sums.detach())
+    torch.testing.assert_close(grad, expected)
+    assert grad[2].abs().sum() == 0
+    broken, _ = objectives._support_sums_and_grad(logits.detach(), *args, weights, names=names, kd_temperature=1.0)
+    assert not torch.allclose(broken, sums.detach())
+
+
 def test_hidden_states_path_with_a_frozen_head_or_an_empty_mask():
     hidden, weight = _hidden_case()
     _, teacher, labels, mask = _batch()
@@ -323,8 +391,13 @@ def test_bad_inputs_fail_clearly():
         _loss(student, TeacherTargets(logits=teacher), labels, mask.float(), "tv")
     with pytest.raises(ValueError, match="do not match"):
         _loss(student, TeacherTargets(logits=teacher[..., :-1]), labels, mask, "tv")
-    with pytest.raises(ValueError, match="either logits"):
+    with pytest.raises(ValueError, match="exactly one of logits"):
         TeacherTargets(logits=teacher, topk_logprobs=teacher[..., :2], topk_indices=labels[..., None])
+    with pytest.raises(ValueError, match="come together"):
+        TeacherTargets(support_logits=teacher[..., :2])
+    with pytest.raises(ValueError, match="support logits"):
+        bad = TeacherTargets(support_logits=teacher[..., :2], support_ids=labels[..., None])
+        _loss(student, bad, labels, mask, "tv")
 
 
 def test_greedy_match_and_greedy_acceptance_hand_written():
