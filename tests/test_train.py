@@ -81,6 +81,46 @@ def test_epoch_order_is_a_seeded_permutation():
     assert epoch_order(50, 3, 0) != epoch_order(50, 3, 1) != epoch_order(50, 4, 0)
 
 
+def test_fetch_rows_reads_what_the_numpy_format_reads_through_an_indices_mapping():
+    """The Arrow read of `fetch_rows` against datasets' numpy format: per-position columns as (T, K) arrays of the
+    same dtype and values (rows of different lengths, one with none), ids as lists, scalars as Python values, on a
+    shuffled selection (an indices mapping); the dataset's own format is left as it was."""
+    import datasets
+    import numpy as np
+
+    from distill.batches import fetch_rows
+
+    g = np.random.default_rng(0)
+    lengths = [3, 0, 5, 2, 4]
+    features = datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("int32")),
+            "prompt_len": datasets.Value("int32"),
+            "topk_ids": datasets.List(datasets.List(datasets.Value("int32"), length=4)),
+            "aux": datasets.List(datasets.List(datasets.Value("float16"), length=6)),
+        }
+    )
+    ds = datasets.Dataset.from_dict(
+        {
+            "input_ids": [list(range(n + 1)) for n in lengths],
+            "prompt_len": lengths,
+            "topk_ids": [g.integers(0, 50, (n, 4)).tolist() for n in lengths],
+            "aux": [g.standard_normal((n, 6)).astype(np.float16).tolist() for n in lengths],
+        },
+        features=features,
+    )
+    view = ds.shuffle(seed=3)  # through an indices mapping
+    indices = [4, 0, 2, 1, 3]
+    got, expected = fetch_rows(view, indices), view.with_format("numpy")[indices]
+    assert view.format["type"] is None and len(got) == 5 and any(len(row["topk_ids"]) == 0 for row in got)
+    for i, row in enumerate(got):
+        assert row["input_ids"] == expected["input_ids"][i].tolist() and row["prompt_len"] == expected["prompt_len"][i]
+        for name, width in (("topk_ids", 4), ("aux", 6)):
+            want = np.asarray(expected[name][i]).reshape(-1, width).astype(row[name].dtype)
+            assert row[name].shape == want.shape and np.array_equal(row[name], want), name
+    assert got[0]["topk_ids"].dtype == np.int64 and got[0]["aux"].dtype == np.float32
+
+
 def test_collate_aligns_labels_and_cached_topk_with_the_predicting_position():
     from distill.batches import IGNORE, collate
 
