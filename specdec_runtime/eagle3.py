@@ -317,6 +317,34 @@ def folded_gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, Hq, T, D)
 
 
+# Query rows per SDPA call in `row_blocked_attention` (128: 43 ms for the three unrolled steps' forward and backward
+# of a 520-token packed batch on a 2-core CPU, 64: 45-47, 256: 52, one call: 74-77; docs/benchmarks.md).
+ROW_BLOCK = 128
+
+
+def row_blocked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block: int = ROW_BLOCK) -> Tensor:
+    """`scaled_dot_product_attention(q, k, v, attn_mask=mask)` one block of `block` query rows at a time, each
+    against only the keys some row of the block may see: q (B, H, R, D), k and v (B, H, S, D), mask (R, S) or
+    (B, 1, R, S) bool -> (B, H, R, D), the same values (a masked key adds nothing) and gradients. SDPA's CPU kernel
+    computes every (row, key) score its mask leaves out, and the training-time-test unroll's mask (step-0 keys up
+    to the row, then the row's own key of each later step) leaves out most of them: at step j a packed batch of T
+    tokens scores T x (j + 1) T pairs where ~T^2 / 2 + j T are seen; blocks skip all but ~block x (j + 1) T of the
+    rest. A block with no visible key keeps every key (its rows attend to nothing either way)."""
+    R, S = q.shape[-2], k.shape[-2]
+    if R <= block:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    outs = []
+    for start in range(0, R, block):
+        rows = mask[..., start : start + block, :]  # (b, S) or (B, 1, b, S)
+        keys = rows.reshape(-1, S).any(0).nonzero().squeeze(1)  # (S',) the keys some row of the block sees
+        if 0 < keys.numel() < S:
+            kb, vb, rows = k.index_select(-2, keys), v.index_select(-2, keys), rows.index_select(-1, keys)
+        else:
+            kb, vb = k, v
+        outs.append(F.scaled_dot_product_attention(q[..., start : start + block, :], kb, vb, attn_mask=rows))
+    return torch.cat(outs, dim=-2)  # (B, H, R, D)
+
+
 class Eagle3Rotary(LlamaRotaryEmbedding):
     """HF's Llama rotary embedding (cos / sin computed in fp32, returned in the input's dtype) whose frequencies stay
     fp32 through any cast of the head: `.to(torch.bfloat16)`, `.bfloat16()`, `.half()`, DeepSpeed 0.19.0-0.19.2's
@@ -385,13 +413,15 @@ class Eagle3Attention(nn.Module):
         # (`folded_gqa_attention`). Training on the CPU: the keys and values repeated to the query heads, so the
         # mask broadcasts over them; folding would repeat the mask G times, and SDPA keeps a float copy of it for
         # backward (a packed row of 1,600 tokens: ~115 MB less at the peak of three unrolled steps, and 4 % faster,
-        # docs/benchmarks.md). On the CPU without autograd, SDPA's fused CPU kernel takes GQA with a mask.
+        # docs/benchmarks.md). On the CPU without autograd, SDPA's fused CPU kernel takes GQA with a mask. Training
+        # on the CPU attends by blocks of query rows, each to the keys it may see (`row_blocked_attention`).
         if gqa and q.is_cuda:
             out = folded_gqa_attention(q, k, v, mask)
-        elif gqa and q.requires_grad:
-            G = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, Hq, S, D)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif q.requires_grad and not q.is_cuda:
+            if gqa:
+                G = self.heads // self.kv_heads
+                k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, Hq, S, D)
+            out = row_blocked_attention(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))  # (B, T, H)

@@ -207,6 +207,31 @@ def test_cached_top_k_covering_everything_gives_the_online_targets(target):
             assert torch.equal(got, shift(full, n, LOG_ZERO)), n
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_row_blocked_attention_is_sdpa_on_the_unrolls_masks(packed):
+    """Blocks of query rows against only the keys they may see: the outputs and the gradients of one SDPA call, on
+    the training-time-test masks of steps 0-2 ((R, S), or (B, 1, R, S) with packed sequences), with blocks that do
+    and do not divide the rows; a block that sees every key takes them all."""
+    from distill.eagle3 import ttt_rows_mask
+    from specdec_runtime.eagle3 import row_blocked_attention
+
+    g = torch.Generator().manual_seed(0)
+    T = 37
+    segments = torch.tensor([[0] * 12 + [1] * 15 + [2] * 10]) if packed else None
+    rows = [torch.arange(T), torch.arange(T - 3), torch.arange(2, T - 6)]  # each step's rows, a subset of the last
+    for j in range(3):
+        mask = ttt_rows_mask(T, rows[: j + 1], segments)
+        R, S = len(rows[j]), T + sum(len(r) for r in rows[1 : j + 1])
+        q, k, v = (torch.randn(1, 4, n, 8, generator=g, requires_grad=True) for n in (R, S, S))
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+        for block in (5, 16, R):
+            out = row_blocked_attention(q, k, v, mask, block=block)
+            torch.testing.assert_close(out, expected)
+            for got, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), grads):
+                torch.testing.assert_close(got, want)
+
+
 # ------------------------------------------------------------------------------------------------ cache and TTT
 
 
