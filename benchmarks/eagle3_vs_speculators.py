@@ -35,10 +35,10 @@ the loss on response tokens, about 30 % of them; speculators computes every row)
                within it (train.max_micro_batch_tokens: the same step, less memory).
   recommended  each trainer's own defaults for the rest: ours the config's EAGLE-3 candidate as it is (cosine to
                train.min_lr_ratio; the quickstart's head also trains prompt tokens, with Muon and the residual after
-               hidden_norm since this comparison found their lead there); speculators `speculators train
-               --speculator-type eagle3` (Muon on the 2-D weights + AdamW with weight decay, linear schedule with
-               1 % warm-up, step loss weights 1, residual after hidden_norm, an RMSNorm before fc, normed outputs
-               fed back, a 2048-token sliding window).
+               hidden_norm since this comparison found their lead there, in passes of at most 640 tokens);
+               speculators `speculators train --speculator-type eagle3` (Muon on the 2-D weights + AdamW with
+               weight decay, linear schedule with 1 % warm-up, step loss weights 1, residual after hidden_norm, an
+               RMSNorm before fc, normed outputs fed back, a 2048-token sliding window).
 By design and in both pairs, the teacher signal differs: ours learns the target's top-k (data.teacher_cache_top_k)
 cached log-probs restricted to the draft vocabulary, masking positions whose target argmax lies outside it;
 speculators the target's exact logits over the draft vocabulary (verifier_lm_head(verifier_norm(last hidden

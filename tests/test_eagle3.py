@@ -440,6 +440,37 @@ def test_packing_refuses_a_head_with_a_sliding_window():
     )
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_validation_sums_do_not_depend_on_the_chunk_of_positions(cached):
+    """The validation measures each row distill.chunk_size positions at a time (the target-vocabulary logits of one
+    chunk exist at once): the sums of every unrolled step equal those of whole rows, with the teacher online and
+    from the cache, and chunks that hold no measured position skipped."""
+    import distill.eagle3 as e3
+    from distill.config import DistillConfig
+
+    target, student, aux_layers, rows = eagle3_setup(prompt_topk=False, shapes=((4, 11), (6, 13), (3, 7)))
+    batch = e3.collate_eagle3(rows, max_seq_len=64, pad_id=0, topk=cached)
+    embed_weight = e3.frozen_embedding(target, "cpu")
+    draft_cfg = DraftConfig(init="eagle3", ttt_depth=3)
+    teacher, index = (None, torch.arange(batch[e3.AUX_COLUMN].shape[-1])) if cached else (target, None)
+    sums = [
+        e3.eagle3_validation_sums(
+            student,
+            embed_weight,
+            teacher,
+            batch,
+            draft_cfg,
+            DistillConfig(chunk_size=size),
+            index,
+            aux_layers=aux_layers,
+        )  # fmt: skip
+        for size in (1000, 3, 5)
+    ]
+    assert sums[0][2:].abs().sum() > 0
+    for other in sums[1:]:
+        torch.testing.assert_close(other, sums[0])
+
+
 def test_packing_concatenates_the_real_positions_and_counts_positions_per_sequence():
     packing = e3_packing.of(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]))
     assert packing.segments.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2]]
