@@ -20,6 +20,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import torch
 
 from distill.config import DataConfig
@@ -87,16 +88,23 @@ def fetch_rows(ds: datasets.Dataset, indices: list[int]) -> list[dict]:
 
 
 def _column(column) -> list:
-    """One Arrow column -> its value per row: list<fixed_size_list<number>[K]> as (T, K) arrays, the rest as Python
-    objects."""
-    import pyarrow as pa
-
+    """One Arrow column -> its value per row: a list of equal-length lists of numbers (what the data stage writes:
+    list<fixed_size_list<number>[K]>) as (T, K) arrays, the rest as Python objects."""
     array = column.combine_chunks()
     kind = array.type
-    if not (pa.types.is_list(kind) and pa.types.is_fixed_size_list(kind.value_type)):
+    if not (
+        pa.types.is_list(kind) and (pa.types.is_list(kind.value_type) or pa.types.is_fixed_size_list(kind.value_type))
+    ):
         return array.to_pylist()
-    width = kind.value_type.list_size
-    flat = array.flatten().flatten().to_numpy(zero_copy_only=False).reshape(-1, width)  # (sum of T, K)
+    inner = array.flatten()  # (sum of T,) lists, one per position
+    if pa.types.is_fixed_size_list(inner.type):
+        width = inner.type.list_size
+    else:  # lists whose length the schema does not fix (a dataset not written by the data stage)
+        widths = np.unique(inner.value_lengths().to_numpy(zero_copy_only=False))
+        width = int(widths[0]) if len(widths) == 1 else 0
+    if width == 0:  # ragged (or empty) positions: no (T, K) array to make
+        return array.to_pylist()
+    flat = inner.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)  # (sum of T, K)
     flat = flat.astype(np.int64 if np.issubdtype(flat.dtype, np.integer) else np.float32, copy=False)
     return np.split(flat, np.cumsum(array.value_lengths().to_numpy())[:-1])
 

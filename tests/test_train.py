@@ -119,6 +119,14 @@ def test_fetch_rows_reads_what_the_numpy_format_reads_through_an_indices_mapping
             want = np.asarray(expected[name][i]).reshape(-1, width).astype(row[name].dtype)
             assert row[name].shape == want.shape and np.array_equal(row[name], want), name
     assert got[0]["topk_ids"].dtype == np.int64 and got[0]["aux"].dtype == np.float32
+    # Inner lists whose length the schema does not fix (types inferred), read the same way.
+    inferred = datasets.Dataset.from_dict({name: ds[name] for name in ("topk_ids", "aux")})
+    assert (
+        not isinstance(inferred.features["aux"].feature, datasets.List) or inferred.features["aux"].feature.length == -1
+    )
+    for row, want in zip(fetch_rows(inferred, [0, 2]), [ds[0], ds[2]]):
+        assert np.array_equal(row["topk_ids"], np.asarray(want["topk_ids"]).reshape(-1, 4))
+        assert row["aux"].dtype == np.float32 and np.allclose(row["aux"], np.asarray(want["aux"]).reshape(-1, 6))
 
 
 def test_collate_aligns_labels_and_cached_topk_with_the_predicting_position():
