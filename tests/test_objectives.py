@@ -224,7 +224,7 @@ def test_a_sparse_teacher_is_the_dense_logits_it_stands_for(objective, kd_temper
 
 def test_the_closed_form_gradient_is_autograds_at_every_row_and_weight():
     """`_support_sums_and_grad` against autograd through `_chunk_sums` on one chunk: weighted terms, a masked row
-    (exact zero), kd_temperature != 1. A wrong factor (1 / T dropped) fails it."""
+    (exact zero), kd_temperature != 1; a dropped 1 / T or the wrong temperature would fail it."""
     g = torch.Generator().manual_seed(3)
     logits = (2 * torch.randn(6, V, generator=g)).requires_grad_()
     sparse = _sparse(2 * torch.randn(6, V, generator=g), 5)
@@ -240,6 +240,8 @@ def test_the_closed_form_gradient_is_autograds_at_every_row_and_weight():
     torch.testing.assert_close(closed, sums.detach())
     torch.testing.assert_close(grad, expected)
     assert grad[2].abs().sum() == 0
+    # the comparison tells a missing 1 / T factor and a wrong temperature apart
+    assert not torch.allclose(grad * T, expected)
     broken, _ = objectives._support_sums_and_grad(logits.detach(), *args, weights, names=names, kd_temperature=1.0)
     assert not torch.allclose(broken, sums.detach())
 
