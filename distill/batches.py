@@ -81,6 +81,8 @@ def fetch_rows(ds: datasets.Dataset, indices: list[int]) -> list[dict]:
     of the quickstart, where `with_format("numpy")` took 24 (15 to copy the dataset object, the rest one array per
     position), 5 % of a training step; Python lists of the aux states took 0.29 s of a 1.3 s step
     (docs/benchmarks.md)."""
+    if not indices:
+        return []
     with ds.formatted_as("arrow"):  # in place and restored after, no copy of the dataset object
         table = ds[indices]  # pyarrow.Table of those rows, in that order
     columns = [_column(table.column(name)) for name in table.column_names]
@@ -105,7 +107,8 @@ def _column(column) -> list:
     if width == 0:  # ragged (or empty) positions: no (T, K) array to make
         return array.to_pylist()
     flat = inner.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)  # (sum of T, K)
-    flat = flat.astype(np.int64 if np.issubdtype(flat.dtype, np.integer) else np.float32, copy=False)
+    if np.issubdtype(flat.dtype, np.integer) or np.issubdtype(flat.dtype, np.floating):  # as the numpy format
+        flat = flat.astype(np.int64 if np.issubdtype(flat.dtype, np.integer) else np.float32, copy=False)
     return np.split(flat, np.cumsum(array.value_lengths().to_numpy())[:-1])
 
 

@@ -13,7 +13,7 @@ Terms (names as in `distill.config.OBJECTIVES`), with p the teacher and q the st
 sums normalised by a caller-given global token count, chunked over positions so the fp32 (B, T, V) probabilities
 exist one chunk at a time: with the student's logits, activation checkpointing (rebuilt in backward); with its
 hidden states and head (the training path), each chunk's gradient computed in the forward (`_FusedHeadSums`), in
-closed form where the teacher is sparse and the terms are forward_kl / ce (`_support_sums_and_grad`).
+closed form for ce and for forward_kl against a sparse teacher (`_support_sums_and_grad`).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ class TeacherTargets:
     topk_indices: Tensor | None = None
     """(B, T, K) integer token ids of `topk_logprobs`, distinct within a position."""
     support_logits: Tensor | None = None
-    """(B, T, K) teacher logits at the K ids of `support_ids`, every other id at probability 0: the dense logits
-    with LOG_ZERO elsewhere (after kd_temperature), renormalised over the support (no "rest" bucket, unlike
-    `topk_logprobs`). Entries at LOG_ZERO are padding (their ids may repeat)."""
+    """(B, T, K) teacher logits at the K ids of `support_ids`, every other id at probability ~0 (dense logits that
+    read LOG_ZERO x max(1, 1 / T) there after kd_temperature T), renormalised over the support (no "rest" bucket,
+    unlike `topk_logprobs`). Entries <= LOG_ZERO are padding (their ids may repeat)."""
     support_ids: Tensor | None = None
     """(B, T, K) integer ids of `support_logits`; distinct within a position but for LOG_ZERO padding."""
 
@@ -76,10 +76,12 @@ class TeacherTargets:
 
 
 def dense_from_support(support_logits: Tensor, support_ids: Tensor, vocab: int, fill: float = LOG_ZERO) -> Tensor:
-    """(..., K) logits at `support_ids` -> (..., vocab) fp32 dense logits, `fill` elsewhere; a padding entry (at
-    LOG_ZERO, its id possibly repeated) never overwrites a real one (amax)."""
-    dense = support_logits.new_full((*support_logits.shape[:-1], vocab), fill, dtype=torch.float32)
-    return dense.scatter_reduce_(-1, support_ids.long(), support_logits.float().clamp(min=fill), reduce="amax")
+    """(..., K) logits at `support_ids` -> (..., vocab) fp32 dense logits, `fill` at every other id and at padding
+    entries (<= LOG_ZERO); padding, its id possibly repeated, never overwrites a real entry (amax)."""
+    values = support_logits.float()
+    values = values.masked_fill(values <= LOG_ZERO, fill)
+    dense = values.new_full((*values.shape[:-1], vocab), fill)
+    return dense.scatter_reduce_(-1, support_ids.long(), values, reduce="amax")
 
 
 def batch_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -197,8 +199,9 @@ def _chunk_sums(
         teacher_logits = teacher_logits.clone()
     logits = student if lm_head_weight is None else student @ lm_head_weight.T  # (N, D) -> (N, V)
     if sparse and topk_logprobs is not None:
-        # Dense over this chunk only; the fill scaled so that it reads LOG_ZERO after / kd_temperature (probability
-        # ~0 off the support, as `_support_sums_and_grad` has it), not a leak of V x exp(LOG_ZERO / T) at large T.
+        # Dense over this chunk only. Off the support (and at padding) the fill reads LOG_ZERO x max(1, 1 / T) after
+        # / kd_temperature, as in `_support_sums_and_grad`: probability ~0 at any T (LOG_ZERO / T would leak
+        # V x exp(LOG_ZERO / T) of the mass at large T, and LOG_ZERO itself outweigh real entries at small T).
         fill = LOG_ZERO * max(kd_temperature, 1.0)
         teacher_logits = dense_from_support(topk_logprobs, topk_indices, logits.shape[-1], fill)
         topk_logprobs = topk_indices = None
@@ -237,8 +240,9 @@ def _support_sums_and_grad(
             T, ids = kd_temperature, support_ids.long()
             s = F.log_softmax(z if T == 1 else z / T, dim=-1)  # (n, V) the student's log-probs at T
             tz = support_logits.float()
-            # padding stays at LOG_ZERO after the temperature, as the dense path's fill (`_chunk_sums`)
-            t = F.log_softmax(tz if T == 1 else torch.where(tz <= LOG_ZERO, LOG_ZERO, tz / T), dim=-1)  # (n, K)
+            # padding reads LOG_ZERO x max(1, 1 / T) after the temperature, as the dense path's fill (`_chunk_sums`)
+            pad = LOG_ZERO * max(1.0, 1.0 / T)
+            t = F.log_softmax(tz if T == 1 else torch.where(tz <= LOG_ZERO, pad, tz / T), dim=-1)  # (n, K)
             p = t.exp()
             term = (p * (t - s.gather(-1, ids))).sum(-1)  # (n,)
             g = s.exp_().scatter_add_(-1, ids, -p).mul_(keep * (weight / T))  # (q - p) w / T

@@ -417,7 +417,7 @@ class Eagle3Attention(nn.Module):
         # on the CPU attends by blocks of query rows, each to the keys it may see (`row_blocked_attention`).
         if gqa and q.is_cuda:
             out = folded_gqa_attention(q, k, v, mask)
-        elif q.requires_grad and not q.is_cuda:
+        elif q.requires_grad and q.device.type == "cpu":
             if gqa:
                 G = self.heads // self.kv_heads
                 k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, Hq, S, D)

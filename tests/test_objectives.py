@@ -191,7 +191,7 @@ def _sparse(teacher_logits: torch.Tensor, k: int, pad: int = 2) -> TeacherTarget
     "objective",
     ["forward_kl", {"forward_kl": 0.7, "ce": 0.3}, "ce", {"forward_kl": 1.0, "reverse_kl": 0.5, "jsd": 0.2, "tv": 1.0}],
 )
-@pytest.mark.parametrize("kd_temperature", [1.0, 2.5])
+@pytest.mark.parametrize("kd_temperature", [1.0, 2.5, 0.5, 8.0])
 def test_a_sparse_teacher_is_the_dense_logits_it_stands_for(objective, kd_temperature, monkeypatch):
     """Support logits give the loss, metrics and gradients of their dense logits (LOG_ZERO off the support at
     kd_temperature: reverse_kl reads the stand-in's value there), on the
@@ -202,8 +202,10 @@ def test_a_sparse_teacher_is_the_dense_logits_it_stands_for(objective, kd_temper
     teacher[0, :, 0] += 6.0  # id 0 among the top k of these rows, next to the padding's id 0
     labels = labels.masked_fill(~mask, -100)
     sparse = _sparse(teacher, 4)
-    off = LOG_ZERO * max(kd_temperature, 1.0)  # LOG_ZERO after the temperature: probability ~0 off the support
+    off = LOG_ZERO * max(kd_temperature, 1.0)  # LOG_ZERO x max(1, 1 / T) after the temperature: probability ~0
     dense = TeacherTargets(logits=dense_from_support(sparse.support_logits, sparse.support_ids, V, off))
+    without_0 = (sparse.support_ids[..., :4] != 0).all(-1)  # id 0 only as the padding's: off the support too
+    assert without_0.any() and (dense.logits[..., 0][without_0] == off).all()
     kw = dict(kd_temperature=kd_temperature, beta=0.3, num_items=40)
     ref, ref_terms = distill_loss(hidden @ weight.T, dense, labels, mask, objective, **kw)
     ref_grads = torch.autograd.grad(ref, (hidden, weight))
