@@ -107,8 +107,10 @@ def _column(column) -> list:
     if width == 0:  # ragged (or empty) positions: no (T, K) array to make
         return array.to_pylist()
     flat = inner.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)  # (sum of T, K)
-    if np.issubdtype(flat.dtype, np.integer) or np.issubdtype(flat.dtype, np.floating):  # as the numpy format
-        flat = flat.astype(np.int64 if np.issubdtype(flat.dtype, np.integer) else np.float32, copy=False)
+    if np.issubdtype(flat.dtype, np.integer):  # the dtypes datasets' numpy format gives
+        flat = flat.astype(np.int64, copy=False)
+    elif np.issubdtype(flat.dtype, np.floating):
+        flat = flat.astype(np.float32, copy=False)
     return np.split(flat, np.cumsum(array.value_lengths().to_numpy())[:-1])
 
 
