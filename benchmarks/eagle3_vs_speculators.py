@@ -97,7 +97,8 @@ Training seed (--training-seed N): both trainers' seed (ours' config `seed`, spe
 initialisation and the order of the batches); by default the config's. The eval's intervals hold the prompts' and
 the sampling's noise, not the trainings'; the same command with another seed and its own --out (its trainings must
 not replace the first seed's) is a second draw of both trainings, whose difference shows how far the training
-itself moves the comparison.
+itself moves the comparison. benchmarks/over_seeds.py reads those runs' JSONs: the difference per seed, its mean and
+a 95 % Student-t interval over the seeds, the interval the acceptance goal is read on.
 """
 
 from __future__ import annotations

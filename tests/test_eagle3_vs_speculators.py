@@ -481,6 +481,18 @@ def test_the_benchmark_smoke_run(speculators, bench, tmp_path, isolated_cache):
     assert all(len(shape) == 2 for shape in times["muon_weights"].values())
     assert times["muon_step_s"] > 0 and times["adamw_step_s"] > 0
     assert bench.main(["--optimizer-step", head]) == 0
+    # benchmarks/over_seeds.py reads the JSON as the benchmark writes it: this seed, and one more given with --add
+    over, summary = load_benchmark("over_seeds"), out / "over-seeds.json"
+    argv = [str(out / "result.json"), "--pair", "recommended", "--add", "1=0.5", "--json", str(summary)]
+    assert over.main(argv) == 0
+    seeds = json.loads(summary.read_text())
+    assert [r["seed"] for r in seeds["runs"]] == [3]
+    d = {T: e["difference"]["acceptance_rate"] for T, e in report["pairs"]["recommended"]["eval"].items()}
+    one = dict(differences=[d["T=0"]], mean=d["T=0"], ci=None, seeds=1, goal_met=None)  # no interval of one seed
+    assert seeds["acceptance"]["T=0"] == one
+    two = seeds["acceptance"]["T=1"]
+    assert two["differences"] == [0.5, d["T=1"]] and two["mean"] == pytest.approx((0.5 + d["T=1"]) / 2)
+    assert two["ci"][0] < two["mean"] < two["ci"][1] and two["goal_met"] == (two["ci"][0] > -0.02)
 
 
 def test_the_step_logged_runs_compare_one_recipe_on_both_trainers(speculators, bench, tmp_path, isolated_cache):
