@@ -299,7 +299,10 @@ class _FusedHeadSums(torch.autograd.Function):
                     (grad,) = torch.autograd.grad((chunk_sums * term_weights).sum(), logits)  # (n, V)
             if need_h:
                 grad_h[start : start + h.shape[0]] = (grad @ w).to(hidden.dtype)
-            if need_w:
+            if need_w and grad.dtype == h.dtype == grad_w.dtype:
+                # In place: no (V, D) product to allocate and add, half the time of the line below on a CPU
+                grad_w.addmm_(grad.T, h)
+            elif need_w:  # under autocast: the product in the chunk's dtype, accumulated in fp32
                 grad_w += (grad.T @ h).float()
             sums.append(chunk_sums.detach())
             start += h.shape[0]

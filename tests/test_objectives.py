@@ -275,7 +275,8 @@ def test_the_training_path_runs_the_head_gemm_three_times_per_chunk_on_valid_row
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and V in (*out.shape, *args[-1].shape):
+            gemm = func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+            if gemm and V in (*out.shape, *args[-1].shape):
                 self.rows.append(args[0].shape[0] if out.shape[-1] == V else None)
             return out
 
