@@ -136,6 +136,7 @@ def run_ours(args, data: TeacherData) -> dict:
             f"distill.objective={objective}",
             "distill.beta=0.5",
             "distill.lmbda=0.0",
+            "distill.loss_on_prompt=false",  # GKD's loss reads the completion tokens only: the same work
             f"train.max_steps={total}",
             f"train.batch_size={args.batch_size}",
             "train.grad_accum=1",

@@ -58,6 +58,9 @@ EAGLE3 = [  # the quickstart's head (run it with --batch-size 4 as the quickstar
     "draft.freeze_lm_head=true",
     "train.lr=1e-3",
 ]
+# Under every variant (its own overrides come after): the studies of issue 15 measured response tokens only, before
+# issue 27 made the loss on prompt tokens the default; the prompt-loss study's `-prompt` variants set it back on.
+STUDY_DEFAULTS = ["distill.loss_on_prompt=false"]
 VARIANTS = {
     "data": {"eagle3": EAGLE3},
     "samples": {"eagle3": EAGLE3},
@@ -91,6 +94,9 @@ VARIANTS = {
         # the head as the quickstart trains it, from the offline cache (its prompt rows stored for the second)
         "eagle3-cache": [*EAGLE3],
         "eagle3-cache-prompt": [*EAGLE3, "distill.loss_on_prompt=true"],
+        # the config's truncation likewise, from the offline cache (the teacher's top-k at the prompt rows too)
+        "truncation-cache": [],
+        "truncation-cache-prompt": ["distill.loss_on_prompt=true"],
     },
 }
 
@@ -101,6 +107,7 @@ PAIRED = {
         ("eagle3", "eagle3-prompt"),
         ("truncation", "truncation-prompt"),
         ("eagle3-cache", "eagle3-cache-prompt"),
+        ("truncation-cache", "truncation-cache-prompt"),
     ]
 }
 
@@ -221,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdistill.pipeline import dist_state, distill_candidate, eval_prompts, load_target, stage_data
 
     base = [
+        *STUDY_DEFAULTS,
         f"output_dir={args.out}",
         f"train.max_steps={args.steps}",
         f"train.batch_size={args.batch_size}",
@@ -236,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     # states, the prompt rows of one with distill.loss_on_prompt: `stage_data`): the study's variants are its
     # candidates, with the config's own (they share its data folder).
     data_cfg = load_config(args.config, args.overrides)
-    studied = [CandidateConfig(f"study-{name}", dict(map(parse_override, v))) for name, v in variants.items()]
+    studied = [
+        CandidateConfig(f"study-{name}", dict(map(parse_override, [*STUDY_DEFAULTS, *v]))) for name, v in variants.items()
+    ]
     data_cfg = dataclasses.replace(data_cfg, candidates=[*data_cfg.candidates, *studied])
     dist = dist_state(data_cfg.target.device)
     loaded = load_target(data_cfg, dist)

@@ -479,7 +479,8 @@ def _data_identity(resolved: dict) -> dict:
 
 
 # Training keys added after runs were finished, with the value that trains as before: at that value they are left out
-# of the DONE fingerprint and the resume check, so those runs stay finished and resumable.
+# of the DONE fingerprint and the resume check, so those runs stay finished and resumable with the key set to it
+# (distill.loss_on_prompt=false, since its default became true).
 NEW_KEY_DEFAULTS = {("distill", "loss_on_prompt"): False}
 
 

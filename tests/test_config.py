@@ -61,6 +61,20 @@ def test_quickstart_and_embedded_best_compare_an_eagle3_head_with_a_standalone_d
         assert cfg.serving.temperature in cfg.eval.temperatures
 
 
+def test_embedded_best_trains_the_quickstarts_head_recipe_for_longer():
+    """configs/embedded-best.yaml is the quickstart's head with more data and steps, every other setting the same: a
+    recipe change adopted in one preset and not the other fails here."""
+    cadence = {"train.max_steps", "train.warmup_steps", "train.eval_every", "train.save_every"}
+    heads, distill = {}, {}
+    for name in ("quickstart.yaml", "embedded-best.yaml"):
+        cfg = load_config(CONFIGS / name)
+        (head,) = [c for c in cfg.candidates if c.overrides.get("draft.init") == "eagle3"]
+        heads[name] = {k: v for k, v in head.overrides.items() if k not in cadence}
+        distill[name] = cfg.distill
+    assert heads["quickstart.yaml"] == heads["embedded-best.yaml"]
+    assert distill["quickstart.yaml"] == distill["embedded-best.yaml"] and distill["quickstart.yaml"].loss_on_prompt
+
+
 def test_overrides_apply_with_types(tmp_path):
     cfg = load_config(
         CONFIGS / "smoke.yaml",

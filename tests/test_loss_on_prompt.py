@@ -227,9 +227,11 @@ def test_the_data_stage_stores_prompt_rows_when_a_cache_candidate_asks_for_them(
     dist = SimpleNamespace(rank=0, world_size=1, barrier=lambda: None)
     settings = ("data.teacher_cache=true",)
     for candidates, want in (
-        ("candidates=[{name: a}, {name: b, overrides: {distill.teacher: cache}}]", False),
-        ("candidates=[{name: a, overrides: {distill.loss_on_prompt: true}}]", False),
-        ("candidates=[{name: a}, {name: b, overrides: {distill.teacher: cache, distill.loss_on_prompt: true}}]", True),
+        ("candidates=[{name: a}, {name: b, overrides: {distill.teacher: cache, distill.loss_on_prompt: false}}]", False),
+        ("candidates=[{name: a, overrides: {distill.loss_on_prompt: true}}]", False),  # the teacher online
+        ("candidates=[{name: a}, {name: b, overrides: {distill.teacher: cache}}]", True),  # the default asks for them
+        ("candidates=[{name: a, overrides: {distill.loss_on_prompt: false}},"
+         " {name: b, overrides: {distill.teacher: cache, distill.loss_on_prompt: true}}]", True),
     ):
         stage_data(train_config(tmp_path, *settings, candidates), dist, target)
         assert asked[-1] is want, candidates
@@ -418,9 +420,11 @@ def test_an_eagle3_cache_candidate_with_the_flag_trains_from_prompt_rows(tmp_pat
 
 def test_runs_from_before_the_flag_keep_their_fingerprint_and_resume(tmp_path):
     from specdistill.config import to_dict
-    from specdistill.pipeline import config_drift, training_fingerprint
+    from specdistill.pipeline import _without_new_defaults, config_drift, training_fingerprint
 
-    cfg, flagged = train_config(tmp_path), train_config(tmp_path, "distill.loss_on_prompt=true")
+    # response tokens only, the value that trains as runs from before the key did; the default is the other one
+    cfg, flagged = train_config(tmp_path, "distill.loss_on_prompt=false"), train_config(tmp_path)
+    assert flagged.distill.loss_on_prompt
     saved = to_dict(cfg)
     del saved["distill"]["loss_on_prompt"]  # a checkpoint written before the key existed
     assert config_drift(saved, to_dict(cfg)) == []
@@ -429,5 +433,7 @@ def test_runs_from_before_the_flag_keep_their_fingerprint_and_resume(tmp_path):
         == config_drift(to_dict(cfg), to_dict(flagged))
         == ["distill.loss_on_prompt"]
     )
-    assert training_fingerprint(cfg) == training_fingerprint(train_config(tmp_path, "distill.loss_on_prompt=false"))
     assert training_fingerprint(cfg) != training_fingerprint(flagged)
+    # the fingerprint of a response-only run is the one it had before the key existed: the key is left out of it
+    assert "loss_on_prompt" not in _without_new_defaults(to_dict(cfg))["distill"]
+    assert _without_new_defaults(to_dict(flagged))["distill"]["loss_on_prompt"] is True

@@ -101,17 +101,28 @@ def test_the_prompt_loss_study_trains_on_prompt_positions(study, tmp_path, monke
     variant with it trains (teacher online, no cache with prompt rows needed)."""
     import json
 
+    import yaml
+
     pairs = study.VARIANTS["prompt-loss"]
-    for name in ("eagle3", "truncation"):
+    for name in ("eagle3", "truncation", "eagle3-cache", "truncation-cache"):
         assert pairs[f"{name}-prompt"] == [*pairs[name], "distill.loss_on_prompt=true"]
     monkeypatch.chdir(ROOT)
     out = tmp_path / "prompt-loss"
     argv = ["prompt-loss", "--config", "configs/smoke.yaml", "--prompts", "2", "--max-new-tokens", "8", "--gamma", "2",
-            "--steps", "2", "--only", "truncation-prompt", "--out", str(out), f"output_dir={out}"]  # fmt: skip
+            "--steps", "2", "--only", "truncation", "truncation-prompt", "--out", str(out),
+            f"output_dir={out}"]  # fmt: skip
     assert study.main(argv) == 0
-    (run,) = json.loads((out / "study.json").read_text())["runs"]
-    assert run["variant"] == "truncation-prompt" and len(run["per_prompt"]) == 2
-    assert json.loads((out / "study.json").read_text())["paired"] == []  # --only left its pair's base out
+    report = json.loads((out / "study.json").read_text())
+    assert [r["variant"] for r in report["runs"]] == ["truncation", "truncation-prompt"]
+    assert all(len(r["per_prompt"]) == 2 for r in report["runs"])
+    assert [(p["base"], p["other"], p["seed"]) for p in report["paired"]] == [("truncation", "truncation-prompt", 0)]
+    # the base variant trains on response tokens only although the default is the loss on prompt tokens too
+    resolved = {r["variant"]: yaml.safe_load((out / "candidates" / f"{r['variant']}-seed0" / "config.yaml").read_text())
+                for r in report["runs"]}  # fmt: skip
+    assert {k: v["distill"]["loss_on_prompt"] for k, v in resolved.items()} == {
+        "truncation": False,
+        "truncation-prompt": True,
+    }
 
 
 def test_the_study_pairs_its_variants_on_their_own_per_prompt_counts(study):

@@ -306,8 +306,9 @@ class DistillRecipe:
         if ckpt is not None:
             if drift := self.run.config_drift(yaml.safe_load(ckpt.config_yaml)):
                 raise UserError(
-                    f"checkpoint {ckpt.path} was trained with other settings ({', '.join(drift)}); set "
-                    "train.resume=false to start over or use another output_dir"
+                    f"checkpoint {ckpt.path} was trained with other settings ({', '.join(drift)}); set them as "
+                    "its config.yaml has them to resume it, train.resume=false to start over, or use another "
+                    "output_dir"
                 )
             checkpoint.apply_model_state(self.student, ckpt.model)
         base = self.cand / LORA_BASE
