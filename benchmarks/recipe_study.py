@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     # candidates, with the config's own (they share its data folder).
     data_cfg = load_config(args.config, args.overrides)
     studied = [
-        CandidateConfig(f"study-{name}", dict(map(parse_override, [*STUDY_DEFAULTS, *v]))) for name, v in variants.items()
+        CandidateConfig(f"study-{name}", dict(map(parse_override, [*STUDY_DEFAULTS, *overrides])))
+        for name, overrides in variants.items()
     ]
     data_cfg = dataclasses.replace(data_cfg, candidates=[*data_cfg.candidates, *studied])
     dist = dist_state(data_cfg.target.device)

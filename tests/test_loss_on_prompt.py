@@ -227,11 +227,17 @@ def test_the_data_stage_stores_prompt_rows_when_a_cache_candidate_asks_for_them(
     dist = SimpleNamespace(rank=0, world_size=1, barrier=lambda: None)
     settings = ("data.teacher_cache=true",)
     for candidates, want in (
-        ("candidates=[{name: a}, {name: b, overrides: {distill.teacher: cache, distill.loss_on_prompt: false}}]", False),
+        (
+            "candidates=[{name: a}, {name: b, overrides: {distill.teacher: cache, distill.loss_on_prompt: false}}]",
+            False,
+        ),
         ("candidates=[{name: a, overrides: {distill.loss_on_prompt: true}}]", False),  # the teacher online
         ("candidates=[{name: a}, {name: b, overrides: {distill.teacher: cache}}]", True),  # the default asks for them
-        ("candidates=[{name: a, overrides: {distill.loss_on_prompt: false}},"
-         " {name: b, overrides: {distill.teacher: cache, distill.loss_on_prompt: true}}]", True),
+        (
+            "candidates=[{name: a, overrides: {distill.loss_on_prompt: false}},"
+            " {name: b, overrides: {distill.teacher: cache, distill.loss_on_prompt: true}}]",
+            True,
+        ),
     ):
         stage_data(train_config(tmp_path, *settings, candidates), dist, target)
         assert asked[-1] is want, candidates
