@@ -10,7 +10,8 @@ One `specdistill distill` run through the CLI (the stable surface) trains one ca
 `random:tiny-llama` target, fp32 on CPU with one thread. Prompts of 10 to 17 characters with max_seq_len 37 keep
 1 to 8 response tokens per sequence, so micro-batches hold different token counts. The values were recorded with
 torch 2.13 (the Makefile's pin); a deliberate change of the loss, the data or the pinned versions updates them:
-the assertion message prints every observed value.
+the assertion message prints every observed value. The loss reads response tokens only (`distill.loss_on_prompt`
+false), the setting the values were recorded with; the default, prompt tokens too, is tested in test_loss_on_prompt.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ CONFIG = """\
 seed: 0
 target: {{model: "random:tiny-llama", dtype: float32, device: cpu}}
 draft: {{init: truncate, num_layers: 2}}
+distill: {{loss_on_prompt: false}}
 data: {{prompts: {train}, validation_prompts: {eval}, max_new_tokens: 8, temperature: 0.0, teacher_cache: false}}
 train: {{max_steps: 2, batch_size: 2, grad_accum: 2, max_seq_len: 37, lr: 1.0e-2, warmup_steps: 0,
          mixed_precision: "no", eval_every: 2, save_every: 2, keep_last: 1, log_every: 1}}

@@ -309,7 +309,11 @@ def test_the_flag_with_a_response_only_cache_is_refused_with_the_fix(tiny, tmp_p
 
     teacher, tokenizer, data = tiny
     cfg = train_config(tmp_path / "run", "distill.teacher=cache", "distill.loss_on_prompt=true")
-    with pytest.raises(ValueError, match=r"loss_on_prompt=true with distill.teacher=cache needs .*specdistill data"):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_on_prompt=true \(the default\) with distill.teacher=cache needs .*specdistill data.*"
+        r"loss_on_prompt=false to train on response tokens only",
+    ):
         distill_candidate(cfg, "draft", data, teacher=teacher, tokenizer=tokenizer)
 
 

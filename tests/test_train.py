@@ -506,7 +506,10 @@ def test_teacher_cache_trains_without_running_the_teacher(tmp_path, tiny, monkey
         return model, tokenizer
 
     monkeypatch.setattr(train.loop, "load_model", load_counting)
-    cfg = train_config(tmp_path / "run", "distill.teacher=cache", "distill.objective=tv")
+    # the fixture's cache holds response rows only (the prompt rows' cache: tests/test_loss_on_prompt.py)
+    cfg = train_config(
+        tmp_path / "run", "distill.teacher=cache", "distill.objective=tv", "distill.loss_on_prompt=false"
+    )
     cand = distill_candidate(cfg, "draft", data)
     assert len(refs) == 1 and forwards == []
     assert refs[0]() is None  # nothing holds the teacher after the run
@@ -651,7 +654,9 @@ def test_end_to_end_with_generated_teacher_data(tmp_path, tiny):
     ]
     two = "candidates=[{name: online}, {name: cached, overrides: {distill.teacher: cache}}]"
     cfg = train_config(tmp_path / "run", "train.max_steps=1", "train.max_seq_len=1024", *data_settings, two)
-    data = generate_teacher_data(teacher, tokenizer, cfg.data, tmp_path / "run" / "data", teacher_id="tiny")
+    # the top-k at the prompt rows too, as the data stage stores it for the cached candidate (trained on by default)
+    out = tmp_path / "run" / "data"
+    data = generate_teacher_data(teacher, tokenizer, cfg.data, out, teacher_id="tiny", prompt_topk=True)
     best = run_distill(cfg, data)
     for name, folder in best.items():
         metrics = json.loads((folder / "metrics.json").read_text())

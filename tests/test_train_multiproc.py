@@ -135,7 +135,10 @@ def test_deepspeed_zero2_config_trains_and_resumes_like_one_process(one_process)
     step = zero2 / "checkpoints" / "step-000003"
     assert sorted(p.name for p in step.glob("optimizer*")) == ["optimizer-zero-rank000.pt", "optimizer-zero-rank001.pt"]
     assert '"world_size": 2' in (step / "trainer_state.json").read_text()
-    assert_same_logs(metric_rows(zero2), metric_rows(single))
+    # Float rounding only: step 1's loss, before any update, differs by 2e-6 relative (ZeRO-2 sums in its own order),
+    # and two Adam steps at lr 1e-2 grow that to 2e-5 by step 3 with the loss on prompt tokens; a wrong token count
+    # or accumulation factor moves the values by 4e-4 or more (tests/test_expected_losses.py).
+    assert_same_logs(metric_rows(zero2), metric_rows(single), rel=5e-5)
     assert_same_weights(final_weights(zero2, 3), final_weights(single, 3), outliers=ADAM_OUTLIERS)
 
     # Rank 1's partition of the only checkpoint is unreadable: rank 0 would resume, rank 1 start over. Refused.

@@ -252,8 +252,9 @@ class DistillRecipe:
         if self.cache and distill_cfg.loss_on_prompt and TOPK_START not in self.train_ds.column_names:
             raise UserError(
                 f"{teacher_data.train} caches the teacher's top-k of response tokens only; distill.loss_on_prompt=true "
-                "with distill.teacher=cache needs it for the prompt tokens too: run `specdistill data` with this "
-                "candidate in the config (it then stores them), or set distill.teacher=online"
+                "(the default) with distill.teacher=cache needs it for the prompt tokens too: run `specdistill data` "
+                "with this candidate in the config (it then stores them), set distill.teacher=online, or set "
+                "distill.loss_on_prompt=false to train on response tokens only"
             )
         self.global_batch = train_cfg.batch_size * train_cfg.grad_accum * self.world
         self.steps_per_epoch = len(self.train_ds) // self.global_batch
