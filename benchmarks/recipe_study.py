@@ -29,8 +29,10 @@ Variants are fixed per study (edit `VARIANTS` to add some):
   objectives  4-layer truncations with forward_kl, reverse_kl, jsd, tv, ce (`--seeds`: several seeds each)
   onpolicy    4-layer truncations: sequence-level KD (ce), forward KL off- and on-policy (lmbda 0.5), TV on-policy
   prompt-loss the EAGLE-3 head and the config's truncation, each trained on response tokens only and with
-              `distill.loss_on_prompt` (teacher online), at the same steps; the study reports each pair's paired
-              difference itself (`PAIRED`)
+              `distill.loss_on_prompt` (the teacher online, or from the cache: the `-cache` variants), at the same
+              steps; the study reports each pair's paired difference itself (`PAIRED`)
+Every variant trains on response tokens only (`STUDY_DEFAULTS`) unless it says otherwise, as these studies were
+measured before the loss on prompt tokens became the default.
 `compare` trains nothing: it measures the trained drafts given with --drafts on the same prompts and pairs each
 against the first, reporting the difference in acceptance_rate with a paired bootstrap interval (the prompts are
 resampled once for both), which is what separates two variants whose own intervals overlap.
