@@ -87,7 +87,8 @@ class DraftConfig:
     skip_untrained_rows: bool = True
     """eagle3: each unrolled training-time-test step computes only the rows a loss reads (step 0 every row's key and
     value): the same loss and gradients as every row (tests/test_eagle3.py), most of the compute saved when only
-    response tokens are trained. false computes every row (to measure what skipping buys, docs/benchmarks.md)."""
+    response tokens are trained (`distill.loss_on_prompt: false`), little with the default, which trains nearly every
+    row. false computes every row (to measure what skipping buys, docs/benchmarks.md)."""
     freeze_lm_head: bool = False
     """eagle3: keep lm_head at the target's rows of the draft vocabulary (as speculators does); false trains it
     (as EAGLE does)."""
