@@ -138,8 +138,9 @@ else
 fi
 
 # 2-4. the data stage, then a student and an EAGLE-3 head trained on its data (one output_dir, two candidates)
+# no candidates: the data the two below read (smoke.yaml's tv-cache would add the prompt rows' top-k to it)
 step "data stage (target.device=$DEVICE)" data.log 45 "$PY" -m specdistill data configs/smoke.yaml \
-    "output_dir=$OUT/smoke" "${COMMON[@]}"
+    "output_dir=$OUT/smoke" 'candidates=[]' "${COMMON[@]}"
 distill_twice student 40 "$PY" -- "output_dir=$OUT/smoke" 'candidates=[{name: student, overrides: {}}]'
 HEAD='{draft.init: eagle3, draft.aux_layers: [1, 2, 3], draft.draft_vocab_size: 64, draft.ttt_depth: 2}'  # 4 layers
 distill_twice eagle3 40 "$PY" -- "output_dir=$OUT/smoke" "candidates=[{name: eagle3, overrides: $HEAD}]"

@@ -27,7 +27,7 @@ from distill.config import DataConfig
 from distill.data import TOPK_START, load_teacher_data
 from specdec_runtime.errors import UserError
 
-IGNORE = -100  # label of a position that is not trained on (predicts no response token, or no token at all)
+IGNORE = -100  # label of a position not trained on: padding, the last token, a prompt token with loss_on_prompt off
 
 
 def load_training_split(

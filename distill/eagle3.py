@@ -61,7 +61,8 @@ VOCAB_FILE = "draft_vocab.json"  # <cand>/draft_vocab.json: the draft vocabulary
 
 
 def response_token_counts(train: Path, vocab_size: int) -> np.ndarray:
-    """(V,) how often each id occurs among the loss-masked (response) tokens of the training data."""
+    """(V,) how often each id occurs among the response tokens of the training data (the tokens a head drafts when
+    served, whatever positions its loss reads)."""
     ds = load_teacher_data(train).select_columns(["input_ids", "prompt_len"])
     counts = np.zeros(vocab_size, dtype=np.int64)
     for row in ds.iter(batch_size=256):
@@ -442,7 +443,7 @@ def eagle3_loss(
     autocast: Callable[[], AbstractContextManager] = nullcontext,
 ) -> Tensor:
     """This micro-batch's share of the step loss: sum_j ttt_decay^j x (the objective of unrolled step j summed over
-    its valid rows) / `num_items`, the step's global response-token count. `student` may be the prepared (DDP /
+    its valid rows) / `num_items`, the step's global trained-token count. `student` may be the prepared (DDP /
     FSDP / DeepSpeed) module: every step goes through its forward. `lm_head_weight`, `autocast`: the loss applies
     the head (`unrolled_steps`)."""
     view = teacher_view(teacher, batch, aux_layers, aux_index)

@@ -376,7 +376,7 @@ def distill_loss(
             None when `student_hidden` and `lm_head_weight` are given instead.
         teacher: teacher logits (B, T, V) or the top-k cache (B, T, K); may be None for a pure `ce` objective.
         labels: (B, T) token ids, read only by `ce` and only where `mask` is True (-100 elsewhere is fine).
-        mask: (B, T) bool, True at the response tokens that count.
+        mask: (B, T) bool, True at the trained positions (the prompt's too with distill.loss_on_prompt).
         objective: a term name or {name: weight}; names in `distill.config.OBJECTIVES`. Weight-0 terms are still
             computed and reported in the metrics.
         kd_temperature: softens teacher and student inside the KD terms (not `ce`). With teacher logits the loss at

@@ -359,7 +359,7 @@ class DistillRecipe:
             while state.step < self.total:
                 if state.batch >= self.steps_per_epoch:  # the epoch is used up (or a resume changed the global batch)
                     state.epoch, state.batch = state.epoch + 1, 0
-                # 1. The step's micro-batches (on-policy ones generated now) and its global response-token count.
+                # 1. The step's micro-batches (on-policy ones generated now) and its global trained-token count.
                 micro_batches = [self._micro_batch(micro) for micro in range(train_cfg.grad_accum)]
                 num_items = acc.reduce(sum((b["labels"] != IGNORE).sum() for b in micro_batches), "sum")
 
